@@ -1,0 +1,212 @@
+"""PPO math as pure tensor functions: log-probs, masked statistics, GAE, KL estimators, clipped losses.
+
+Conventions: time is the last dim; `mask` is a float {0, 1} tensor with 1 on response tokens; `dones[..., t] = 1`
+means the episode ended at step t. Only `AdaptiveKLController` / `FixedKLController` keep state.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def logprobs_from_logits(logits: Tensor, tokens: Tensor) -> Tensor:
+    """log π(token) = logit[token] - logsumexp(logits) in float32: bf16 log-probs are off by up to 0.2 nats.
+
+    Args:
+        logits: (B, T, V) or (N, V). tokens: (B, T) or (N,), integer ids.
+    Returns:
+        (B, T) or (N,) float32 log-probabilities.
+    """
+    logits = logits.float()
+    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """H = -Σ_v p_v log p_v over the last (vocabulary) dim, in float32. (..., V) -> (...). Logits must be finite."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Σ mask·x / Σ mask over `dim` (all dims if None); 0, not NaN, where the mask is all zero.
+
+    Masked-out entries are selected away (not multiplied by 0), so inf/NaN there cannot leak in, forward or backward.
+    """
+    x = torch.where(mask.bool(), x, 0.0)
+    if dim is None:
+        return x.sum() / mask.sum().clamp(min=1.0)
+    return x.sum(dim) / mask.sum(dim).clamp(min=1.0)
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance of the masked entries of `x` (a scalar tensor); Bessel-corrected when `unbiased`.
+
+    Raises:
+        ValueError: `unbiased` with fewer than 2 masked elements (SB3 #325). The check syncs with the device.
+    """
+    count = mask.sum()
+    if unbiased and count < 2:
+        raise ValueError(f"An unbiased variance needs at least 2 masked elements. Received {int(count)}.")
+    var = masked_mean((x - masked_mean(x, mask)) ** 2, mask)
+    return var * count / (count - 1) if unbiased else var
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over the masked entries; masked-out entries become 0.
+
+    With `shift_mean=False` the mean is kept (only the scale changes), as in TRL.
+
+    Raises:
+        ValueError: fewer than 2 masked elements, where the variance is undefined (raised by `masked_var`).
+    """
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8) + (0.0 if shift_mean else mean)
+    return torch.where(mask.bool(), whitened, 0.0)
+
+
+def gae(
+    rewards: Tensor, values: Tensor, dones: Tensor, last_value: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalized Advantage Estimation (Schulman et al. 2015, arXiv:1506.02438).
+
+    A_t = δ_t + γλ(1 - d_t) A_{t+1},  δ_t = r_t + γ(1 - d_t) V_{t+1} - V_t,  with V_T = last_value.
+
+    Pass detached values (or call under `torch.no_grad()`): advantages and returns are targets, not graph nodes.
+    Right padding with reward 0, value 0, done 1 leaves the real steps unchanged and gives advantage 0, provided the
+    real part ends with done 1. To pad a truncated episode, fold its bootstrap into the last reward
+    (r_last += γ·V_boot) and set done 1: the advantages are the same as bootstrapping from `last_value`.
+
+    Args:
+        rewards, values, dones: (..., T). dones[..., t] = 1 if the episode ended at step t.
+        last_value: (...). V after step T-1; unused where dones[..., -1] = 1.
+        gamma: discount γ in [0, 1]. lam: GAE λ in [0, 1] (0: one-step TD error; 1: Monte Carlo return - V).
+    Returns:
+        advantages, returns: (..., T); returns = advantages + values.
+    """
+    not_dones = 1.0 - dones.to(values.dtype)
+    next_value = torch.as_tensor(last_value, dtype=values.dtype, device=values.device)
+    next_advantage = torch.zeros_like(values[..., -1])
+    steps = []
+    for t in reversed(range(values.shape[-1])):
+        delta = rewards[..., t] + gamma * not_dones[..., t] * next_value - values[..., t]
+        next_advantage = delta + gamma * lam * not_dones[..., t] * next_advantage
+        steps.append(next_advantage)
+        next_value = values[..., t]
+    advantages = torch.stack(steps[::-1], dim=-1)
+    return advantages, advantages + values
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k1") -> Tensor:
+    """Per-token estimate of KL(π || π_ref) from samples of π (Schulman 2020, "Approximating KL divergence").
+
+    With d = ref_logprobs - logprobs: k1 = -d (unbiased, can be < 0); k2 = d²/2; k3 = (e^d - 1) - d (unbiased, ≥ 0).
+    Shapes are elementwise (any shape); reduce with `masked_mean` or a masked sum.
+
+    Raises:
+        ValueError: `kind` is not one of "k1", "k2", "k3".
+    """
+    d = ref_logprobs - logprobs
+    if kind == "k1":
+        return -d
+    if kind == "k2":
+        return 0.5 * d**2
+    if kind == "k3":
+        return torch.expm1(d) - d  # expm1 keeps tiny d ≥ 0 where exp(d) - 1 - d rounds negative
+    raise ValueError(f"`kind` should be one of k1, k2, k3. Received {kind!r}.")
+
+
+def policy_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_coef: float
+) -> tuple[Tensor, Tensor]:
+    """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347), a token-level masked mean.
+
+    L = mean_mask max(-A·r, -A·clip(r, 1 - ε, 1 + ε)),  r = exp(logprobs - old_logprobs),  ε = clip_coef.
+
+    Args:
+        logprobs, old_logprobs, advantages, mask: same shape, e.g. (B, T).
+    Returns:
+        loss: scalar. clipfrac: scalar, fraction of masked tokens with |r - 1| > ε (no grad).
+    """
+    keep = mask.bool()
+    ratio = torch.where(keep, logprobs - old_logprobs, 0.0).exp()  # exp of a huge padded log-ratio would be inf
+    advantages = torch.where(keep, advantages, 0.0)
+    losses = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1.0 - clip_coef, 1.0 + clip_coef))
+    clipfrac = masked_mean(((ratio.detach() - 1.0).abs() > clip_coef).to(ratio.dtype), mask)
+    return masked_mean(losses, mask), clipfrac
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_coef: float | None
+) -> tuple[Tensor, Tensor]:
+    """Value loss ½·mean_mask max((V - R)², (clip(V, V_old ± ε) - R)²), as in PPO2 / CleanRL; ½·MSE if ε is None.
+
+    Args:
+        values, old_values, returns, mask: same shape (any, e.g. (N,) with an all-ones mask).
+        clip_coef: ε, or None for no clipping.
+    Returns:
+        loss: scalar. clipfrac: scalar, fraction of masked entries where the clipped term is the larger (0 if None).
+    """
+    unclipped = (values - returns) ** 2
+    if clip_coef is None:
+        return 0.5 * masked_mean(unclipped, mask), torch.zeros((), dtype=unclipped.dtype, device=unclipped.device)
+    clipped = (old_values + (values - old_values).clamp(-clip_coef, clip_coef) - returns) ** 2
+    clipfrac = masked_mean((clipped.detach() > unclipped.detach()).to(unclipped.dtype), mask)
+    return 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask), clipfrac
+
+
+def approx_kl(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """k3 estimate of KL(π_old || π), as in CleanRL: mean_mask (r - 1) - log r, r = exp(logprobs - old_logprobs).
+
+    Exactly 0 when logprobs == old_logprobs. A statistic for early stopping: pass detached tensors.
+    """
+    log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, 0.0)
+    return masked_mean(torch.expm1(log_ratio) - log_ratio, mask)
+
+
+def kl_exceeded(approx_kl: float, target_kl: float | None, factor: float = 1.5) -> bool:
+    """Target-KL early stop, checked per minibatch before the optimizer step (SB3): approx_kl > factor·target_kl."""
+    return target_kl is not None and approx_kl > factor * target_kl
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """1 - Var[R - V] / Var[R] over masked entries: 1 is perfect, 0 is as good as a constant, < 0 worse.
+
+    Returns a scalar tensor; NaN when Var[R] = 0 (undefined), as in Stable-Baselines3.
+    """
+    var_returns = masked_var(returns, mask, unbiased=False)
+    ev = 1.0 - masked_var(returns - values, mask, unbiased=False) / var_returns
+    return torch.where(var_returns == 0, torch.nan, ev)
+
+
+class FixedKLController:
+    """A constant KL coefficient `value`; `update` does nothing. The base of `AdaptiveKLController`."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = kl_coef
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController(FixedKLController):
+    """Adaptive KL coefficient (Ziegler et al. 2019, arXiv:1909.08593, §2.2) that steers the measured KL to `target`.
+
+    β ← β · (1 + clip(KL / target - 1, -0.2, 0.2) · n_steps / horizon)
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int) -> None:
+        if target <= 0 or horizon <= 0:
+            raise ValueError(f"`target` and `horizon` should be > 0. Received target={target}, horizon={horizon}.")
+        super().__init__(init_kl_coef)
+        self.target, self.horizon = target, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
