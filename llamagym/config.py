@@ -1,0 +1,123 @@
+"""Flat, validated settings for PPO (`PPOConfig`) and the SFT warm-start replay (`ReplayConfig`).
+
+Each field has one comment. Every value is checked in `__post_init__`, and a bad one raises a `ValueError`
+that names the field, the value received and what is accepted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def _check(ok: bool, name: str, value, accepted: str) -> None:
+    if not ok:
+        raise ValueError(f"`{name}` should be {accepted}. Received {value!r}.")
+
+
+def _check_fields(config, rules: dict[str, tuple]) -> None:
+    """Apply `rules` (field -> (predicate, accepted-text)); reject NaN/inf floats on every numeric field."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, float):
+            _check(math.isfinite(value), f.name, value, "a finite number")
+        if f.name in rules:
+            predicate, accepted = rules[f.name]
+            _check(predicate(value), f.name, value, accepted)
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass
+class PPOConfig:
+    """PPO hyperparameters, with defaults that learn small models on a CPU (paper names, see DESIGN.md §3)."""
+
+    learning_rate: float = 2e-4  # AdamW step size for the LoRA adapter and the value head
+    batch_size: int = 8  # episodes collected before each PPO update
+    mini_batch_size: int = 8  # turns per optimizer step (small keeps the logits' memory low)
+    ppo_epochs: int = 2  # passes over the batch per update
+    gamma: float = 1.0  # discount across the turns of an episode
+    lam: float = 0.95  # GAE lambda (1 = Monte-Carlo return, 0 = one-step TD)
+    clip_coef: float = 0.2  # PPO ratio clip range
+    vf_clip_coef: float | None = None  # value clip range around the old value (None = unclipped)
+    vf_coef: float = 0.5  # weight of the value loss
+    ent_coef: float = 0.0  # weight of the entropy bonus on response tokens
+    max_grad_norm: float = 1.0  # global gradient-norm clip
+    whiten_advantages: bool = True  # normalise advantages over the batch's turns (needs at least 2 turns)
+    kl_coef: float = 0.05  # initial weight of the per-turn KL to the reference policy in the reward
+    kl_estimator: str = "k1"  # per-token estimator of kl_ref: k1, k2 or k3
+    adaptive_kl: bool = True  # adapt kl_coef toward kl_target (Ziegler et al. 2019)
+    kl_target: float = 1.0  # target per-turn kl_ref for the adaptive controller (nats summed over a reply)
+    kl_horizon: int = 10_000  # controller horizon in turns: how fast kl_coef moves
+    use_target_kl: bool = False  # stop an update early when approx_kl exceeds 1.5 x target_kl
+    target_kl: float = 0.05  # approx_kl (new vs old policy) limit for early stopping
+    weight_decay: float = 0.0  # AdamW weight decay
+    seed: int = 0  # seed of the minibatch shuffles and replay sampling
+
+    def __post_init__(self) -> None:
+        positive = (lambda v: _num(v) and v > 0, "a number > 0")
+        unit = (lambda v: _num(v) and 0 <= v <= 1, "in the interval [0, 1]")
+        non_negative = (lambda v: _num(v) and v >= 0, "a number >= 0")
+        count = (lambda v: _int(v) and v >= 1, "an integer >= 1")
+        _check_fields(
+            self,
+            {
+                "learning_rate": positive,
+                "batch_size": count,
+                "mini_batch_size": count,
+                "ppo_epochs": count,
+                "gamma": unit,
+                "lam": unit,
+                "clip_coef": positive,
+                "vf_clip_coef": (lambda v: v is None or (_num(v) and v > 0), "None or a number > 0"),
+                "vf_coef": non_negative,
+                "ent_coef": non_negative,
+                "max_grad_norm": positive,
+                "whiten_advantages": (lambda v: isinstance(v, bool), "True or False"),
+                "kl_coef": non_negative,
+                "kl_estimator": (lambda v: v in KL_ESTIMATORS, f"one of {', '.join(KL_ESTIMATORS)}"),
+                "adaptive_kl": (lambda v: isinstance(v, bool), "True or False"),
+                "kl_target": positive,
+                "kl_horizon": count,
+                "use_target_kl": (lambda v: isinstance(v, bool), "True or False"),
+                "target_kl": non_negative,
+                "weight_decay": non_negative,
+                "seed": (_int, "an integer"),
+            },
+        )
+
+
+@dataclass
+class ReplayConfig:
+    """SFT warm-start: keep the best episodes and imitate them a little after every PPO update."""
+
+    capacity: int = 64  # episodes kept; the oldest leave first (demonstrations are kept apart, never evicted)
+    top_fraction: float = 0.25  # share of each batch's episodes, best returns first, that enter the buffer
+    min_return: float | None = None  # episodes must also reach this return to enter (None = no floor)
+    sft_steps: int = 2  # supervised minibatch steps after each PPO update
+    sft_batch_size: int = 8  # assistant turns per supervised step
+    sft_coef: float = 0.5  # scale of the supervised loss
+    demo_fraction: float = 0.5  # share of each supervised minibatch drawn from demonstrations when there are any
+
+    def __post_init__(self) -> None:
+        count = (lambda v: _int(v) and v >= 1, "an integer >= 1")
+        _check_fields(
+            self,
+            {
+                "capacity": count,
+                "top_fraction": (lambda v: _num(v) and 0 < v <= 1, "in the interval (0, 1]"),
+                "min_return": (lambda v: v is None or _num(v), "None or a number"),
+                "sft_steps": (lambda v: _int(v) and v >= 0, "an integer >= 0"),
+                "sft_batch_size": count,
+                "sft_coef": (lambda v: _num(v) and v > 0, "a number > 0"),
+                "demo_fraction": (lambda v: _num(v) and 0 <= v <= 1, "in the interval [0, 1]"),
+            },
+        )
