@@ -1,0 +1,204 @@
+"""The trainable policy: a peft LoRA model plus an fp32 value head kept outside peft.
+
+`reference()` is the same weights with the adapter disabled (LoRA `bias="none"`), so no second copy of the
+model is held. Only full fine-tuning (no LoRA) keeps a frozen reference copy. Log-probs are computed by running
+the LM head on response positions only: full-vocabulary logits for every prompt token are most of the memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .ppo import entropy_from_logits, logprobs_from_logits
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+POLICY_META_FILE = "policy.json"
+
+
+def lora_config_from_spec(spec) -> LoraConfig:
+    """The registry's LoRA defaults for a model (a causal-LM adapter without biases)."""
+    return LoraConfig(
+        r=spec.lora_r,
+        lora_alpha=spec.lora_alpha,
+        lora_dropout=spec.lora_dropout,
+        target_modules=list(spec.lora_target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+class ValueHead(nn.Module):
+    """V(s) from the last hidden state: an fp32 `Linear(hidden, 1)`, zero-initialised so values start at 0."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, 1, dtype=torch.float32)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., H) hidden states of any dtype -> (...) fp32 values."""
+        return self.linear(hidden.float()).squeeze(-1)
+
+
+class PolicyOutput(NamedTuple):
+    logprobs: torch.Tensor  # (B, L) fp32 log-prob of each token at response positions, 0 elsewhere
+    values: torch.Tensor | None  # (B,) fp32 value at `value_index`, or None when not asked for
+    entropy: torch.Tensor | None  # (B, L) fp32 entropy at response positions, or None when not asked for
+
+
+class Policy(nn.Module):
+    """A causal LM with a LoRA adapter (or fully trainable) and a value head.
+
+    Args:
+        model: a transformers causal LM (as returned by `load_model_and_tokenizer`) or a `PeftModel`.
+        lora_config: the adapter to add; None takes the registry defaults in `model.llamagym_spec`, or a
+            q/v-projection default when the model has no spec. Ignored for a `PeftModel`.
+        full_finetune: train every weight instead of an adapter; a frozen reference copy is then kept.
+    """
+
+    def __init__(self, model, lora_config: LoraConfig | None = None, full_finetune: bool = False):
+        super().__init__()
+        self.full_finetune = full_finetune
+        self.reference_model = None
+        if isinstance(model, PeftModel):
+            self.model = model
+        elif full_finetune:
+            self.model = model
+            self.reference_model = copy.deepcopy(model).eval().requires_grad_(False)
+        else:
+            if lora_config is None:
+                spec = getattr(model, "llamagym_spec", None)
+                lora_config = lora_config_from_spec(spec) if spec is not None else LoraConfig(
+                    r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], bias="none"
+                )
+            if lora_config.bias != "none":
+                raise ValueError(
+                    f"LoRA `bias` should be 'none' so that disabling the adapter gives the reference model exactly. "
+                    f"Received {lora_config.bias!r}."
+                )
+            self.model = get_peft_model(model, lora_config)
+        config = self.causal_lm().config
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.value_head = ValueHead(text_config.hidden_size).to(self.device)
+        # Gemma-2-style logit soft-capping lives in the causal LM's forward, so the LM-head shortcut would skip it.
+        self._full_forward = getattr(text_config, "final_logit_softcapping", None) is not None
+        self.temperature = 1.0  # sampling temperature; log-probs are scored under the same one
+        self.eval()  # dropout stays off: old, reference and new log-probs come from one computation path
+
+    # ---- structure -------------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def causal_lm(self, reference: bool = False):
+        """The underlying transformers model (with the LoRA layers injected, for peft)."""
+        if reference and self.reference_model is not None:
+            return self.reference_model
+        return self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
+
+    @contextlib.contextmanager
+    def reference(self):
+        """Inside this context the LM is the reference policy (adapter disabled; or the frozen copy)."""
+        if isinstance(self.model, PeftModel):
+            with self.model.disable_adapter():
+                yield
+        else:
+            yield
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    # ---- forward ---------------------------------------------------------------------------------------------
+    def _hidden(self, input_ids, attention_mask, reference: bool):
+        lm = self.causal_lm(reference)
+        if self._full_forward:
+            out = lm(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+            return out.hidden_states[-1], out.logits
+        decoder = lm.get_decoder()
+        return decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state, None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response_mask: torch.Tensor,
+        value_index: torch.Tensor | None = None,
+        reference: bool = False,
+        with_entropy: bool = False,
+    ) -> PolicyOutput:
+        """Log-probs of the response tokens (and values, entropy) for right-padded sequences.
+
+        Args:
+            input_ids, attention_mask: (B, L) prompt + response, right-padded.
+            response_mask: (B, L) 1 on response tokens (never at position 0).
+            value_index: (B,) position whose hidden state gives V (the last prompt token), or None.
+            reference: score under the reference policy (call inside `reference()` for peft models).
+            with_entropy: also return the per-token entropy.
+        """
+        hidden, full_logits = self._hidden(input_ids, attention_mask, reference)
+        select = response_mask[:, 1:].bool()  # the token at p is predicted by the hidden state at p - 1
+        if full_logits is not None:
+            logits = full_logits[:, :-1][select]
+        else:
+            logits = self.causal_lm(reference).get_output_embeddings()(hidden[:, :-1][select])
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        targets = input_ids[:, 1:][select]
+        token_logprobs = logprobs_from_logits(logits, targets)
+        logprobs = token_logprobs.new_zeros(select.shape)
+        logprobs[select] = token_logprobs
+        logprobs = F.pad(logprobs, (1, 0))
+        entropy = None
+        if with_entropy:
+            entropy = token_logprobs.new_zeros(select.shape)
+            entropy[select] = entropy_from_logits(logits)
+            entropy = F.pad(entropy, (1, 0))
+        values = None
+        if value_index is not None:
+            rows = torch.arange(hidden.shape[0], device=hidden.device)
+            values = self.value_head(hidden[rows, value_index])
+        return PolicyOutput(logprobs, values, entropy)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **generation_kwargs) -> torch.Tensor:
+        """Sample continuations of left-padded prompts with the current policy; returns (B, L + new)."""
+        return self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **generation_kwargs)
+
+    # ---- persistence -----------------------------------------------------------------------------------------
+    def save(self, directory: str | Path) -> None:
+        """Write the adapter (or the whole model when fully fine-tuned) and the value head into `directory`."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        if isinstance(self.model, PeftModel):
+            save_file(get_peft_model_state_dict(self.model), str(directory / "adapter_model.safetensors"))
+            self.model.peft_config["default"].save_pretrained(str(directory))
+        else:
+            state = {k: v.contiguous() for k, v in self.model.state_dict().items()}
+            save_file(state, str(directory / "model.safetensors"))
+        save_file(self.value_head.state_dict(), str(directory / VALUE_HEAD_FILE))
+        meta = {"full_finetune": self.full_finetune, "base_model": self.causal_lm().config.name_or_path}
+        (directory / POLICY_META_FILE).write_text(json.dumps(meta, indent=2))
+
+    def load(self, directory: str | Path) -> None:
+        """Load weights written by `save` into this policy (same base model and adapter shape)."""
+        directory = Path(directory)
+        device = self.device
+        if isinstance(self.model, PeftModel):
+            state = load_file(str(directory / "adapter_model.safetensors"), device=str(device))
+            result = set_peft_model_state_dict(self.model, state)
+            if getattr(result, "unexpected_keys", None):
+                raise ValueError(f"Adapter in {directory} does not fit this model: {result.unexpected_keys[:5]}")
+        else:
+            self.model.load_state_dict(load_file(str(directory / "model.safetensors"), device=str(device)))
+        self.value_head.load_state_dict(load_file(str(directory / VALUE_HEAD_FILE), device=str(device)))

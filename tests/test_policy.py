@@ -1,0 +1,87 @@
+import pytest
+import torch
+from peft import LoraConfig
+
+from llamagym.policy import Policy
+from llamagym.rollout import Turn, collate
+
+
+@pytest.fixture
+def batch(tokenizer):
+    turns = [Turn([257, 50, 51, 256, 259], [60, 61, 256]), Turn([257, 52, 256, 258, 70, 256, 259], [62, 256])]
+    return collate(turns, tokenizer.pad_token_id)
+
+
+def test_reference_logits_equal_base_model_and_differ_outside(model, lora_config, batch):
+    policy = Policy(model, lora_config)
+    base = policy.model.get_base_model()
+    with policy.reference():
+        ref = policy(*batch, reference=True).logprobs
+        with torch.no_grad():
+            base_logits = base(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    lora = policy(*batch).logprobs
+    manual = torch.log_softmax(base_logits.float(), -1)[:, :-1].gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    mask = batch.response_mask[:, 1:].bool()
+    torch.testing.assert_close(ref[:, 1:][mask], manual[mask])
+    assert not torch.allclose(lora, ref)
+
+
+def test_reference_without_peft_adapter_is_the_untouched_base(tokenizer, batch):
+    from llamagym.tiny import build_tiny_model
+
+    untouched = build_tiny_model(tokenizer, seed=0)
+    policy = Policy(build_tiny_model(tokenizer, seed=0), LoraConfig(r=4, target_modules=["q_proj"], bias="none"))
+    with policy.reference(), torch.no_grad():
+        ref = policy(*batch, reference=True).logprobs
+        base = Policy(untouched, full_finetune=True)(*batch).logprobs
+    torch.testing.assert_close(ref, base)
+
+
+def test_only_lora_and_value_head_parameters_are_trainable(model, lora_config):
+    policy = Policy(model, lora_config)
+    names = [n for n, p in policy.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n or n.startswith("value_head.") for n in names)
+    assert any(n.startswith("value_head.") for n in names)
+
+
+def test_value_head_is_fp32_with_one_value_per_row(model, lora_config, batch):
+    policy = Policy(model, lora_config)
+    out = policy(*batch)
+    assert policy.value_head.linear.weight.dtype == torch.float32
+    assert out.values.shape == (2,) and out.values.dtype == torch.float32
+    assert out.logprobs.shape == batch.input_ids.shape
+
+
+def test_logprobs_are_zero_outside_the_response(model, lora_config, batch):
+    out = Policy(model, lora_config)(*batch, with_entropy=True)
+    outside = batch.response_mask == 0
+    assert torch.all(out.logprobs[outside] == 0) and torch.all(out.entropy[outside] == 0)
+    assert torch.all(out.logprobs[~outside] < 0)
+
+
+def test_bias_other_than_none_is_refused(model):
+    with pytest.raises(ValueError, match="bias"):
+        Policy(model, LoraConfig(r=4, target_modules=["q_proj"], bias="all"))
+
+
+def test_full_finetune_keeps_a_frozen_reference_copy(model, batch):
+    policy = Policy(model, full_finetune=True)
+    assert policy.reference_model is not None
+    assert not any(p.requires_grad for p in policy.reference_model.parameters())
+
+
+def test_save_then_load_round_trips_adapter_and_value_head(tokenizer, lora_config, batch, tmp_path):
+    from llamagym.tiny import build_tiny_model
+
+    policy = Policy(build_tiny_model(tokenizer), lora_config)
+    with torch.no_grad():
+        policy.value_head.linear.weight.normal_()
+    before = policy(*batch)
+    policy.save(tmp_path)
+    fresh = Policy(build_tiny_model(tokenizer), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                            bias="none", lora_dropout=0.0))
+    assert not torch.allclose(fresh(*batch).logprobs, before.logprobs)
+    fresh.load(tmp_path)
+    after = fresh(*batch)
+    torch.testing.assert_close(after.logprobs, before.logprobs)
+    torch.testing.assert_close(after.values, before.values)

@@ -1,0 +1,113 @@
+import pytest
+import torch
+
+from llamagym import ppo
+from llamagym.config import PPOConfig, ReplayConfig
+from llamagym.policy import Policy
+from llamagym.rollout import Episode, Turn
+from llamagym.trainer import PPOTrainer
+
+
+def make_episodes(n=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    episodes = []
+    for e in range(n):
+        turns = [Turn(torch.randint(0, 256, (4 + k,), generator=g).tolist(),
+                      torch.randint(0, 256, (2 + e,), generator=g).tolist(), float(e % 2)) for k in range(1 + e % 2)]
+        episodes.append(Episode(turns))
+    return episodes
+
+
+def make_trainer(model, lora_config, tokenizer, **overrides):
+    config = PPOConfig(**{"mini_batch_size": 2, "ppo_epochs": 2, "learning_rate": 1e-3, **overrides})
+    return PPOTrainer(Policy(model, lora_config), config, tokenizer.pad_token_id)
+
+
+def test_one_step_is_finite_moves_lora_and_value_head_and_leaves_base_bit_identical(model, lora_config, tokenizer):
+    trainer = make_trainer(model, lora_config, tokenizer)
+    before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+    stats = trainer.step(make_episodes())
+    assert all(torch.isfinite(torch.tensor(v)) for k, v in stats.items() if k != "ppo/explained_variance")
+    for name, param in trainer.policy.named_parameters():
+        changed = not torch.equal(before[name], param)
+        if "lora_" in name or name.startswith("value_head."):
+            assert changed, f"{name} did not move"
+        else:
+            assert not changed, f"base parameter {name} moved"
+
+
+def test_first_minibatch_ratio_is_exactly_one(model, lora_config, tokenizer, monkeypatch):
+    seen = []
+    original = ppo.policy_loss
+
+    def spy(logprobs, old_logprobs, advantages, mask, clip_coef):
+        seen.append((logprobs.detach().clone(), old_logprobs.clone(), mask.clone()))
+        return original(logprobs, old_logprobs, advantages, mask, clip_coef)
+
+    monkeypatch.setattr(ppo, "policy_loss", spy)
+    stats = make_trainer(model, lora_config, tokenizer, ppo_epochs=1, mini_batch_size=64).step(make_episodes())
+    logprobs, old_logprobs, mask = seen[0]
+    assert torch.equal(logprobs[mask.bool()], old_logprobs[mask.bool()])
+    assert stats["ppo/approx_kl"] == 0.0 and stats["ppo/clipfrac"] == 0.0
+
+
+def test_tiny_target_kl_stops_after_one_minibatch_and_says_so(model, lora_config, tokenizer):
+    trainer = make_trainer(model, lora_config, tokenizer, use_target_kl=True, target_kl=1e-9)
+    stats = trainer.step(make_episodes())
+    assert stats["ppo/early_stopped"] == 1.0 and stats["ppo/minibatches"] == 1.0
+
+
+def test_without_target_kl_every_minibatch_runs(model, lora_config, tokenizer):
+    stats = make_trainer(model, lora_config, tokenizer, target_kl=1e-9).step(make_episodes())
+    assert stats["ppo/early_stopped"] == 0.0 and stats["ppo/minibatches"] == 6.0  # 6 turns / 2 x 2 epochs
+
+
+@pytest.mark.parametrize("truncated, expected", [(False, -1.0), (True, 0.0)])
+def test_bootstrap_on_truncation_only(model, lora_config, tokenizer, truncated, expected):
+    trainer = make_trainer(model, lora_config, tokenizer, gamma=1.0, lam=1.0)
+    with torch.no_grad():
+        trainer.policy.value_head.linear.bias.fill_(1.0)  # V(s) = 1 everywhere
+    episode = Episode([Turn([1, 2, 3], [4, 5], reward=0.0)], truncated=truncated, bootstrap_prompt_ids=[1, 2, 6])
+    advantages, returns = trainer._advantages([episode], torch.zeros(1), torch.ones(1))
+    assert advantages.tolist() == [expected]  # terminated: 0 - V = -1; truncated: 0 + V(next) - V = 0
+
+
+def test_credit_reaches_earlier_turns_through_gae(model, lora_config, tokenizer):
+    trainer = make_trainer(model, lora_config, tokenizer, gamma=1.0, lam=1.0)
+    episode = Episode([Turn([1, 2], [3]), Turn([1, 2, 3, 4], [5], reward=1.0)])
+    advantages, _ = trainer._advantages([episode], torch.tensor([0.0, 1.0]), torch.zeros(2))
+    assert advantages.tolist() == [1.0, 1.0]  # the final reward is the first turn's too, not split
+
+
+def test_nan_reward_skips_the_step_and_keeps_weights(model, lora_config, tokenizer):
+    trainer = make_trainer(model, lora_config, tokenizer)
+    before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+    episodes = make_episodes()
+    episodes[0].turns[0].reward = float("nan")
+    stats = trainer.step(episodes)
+    assert stats["ppo/skipped_updates"] > 0
+    assert all(torch.equal(before[n], p) for n, p in trainer.policy.named_parameters())
+
+
+def test_adaptive_kl_coefficient_moves_after_an_update(model, lora_config, tokenizer):
+    trainer = make_trainer(model, lora_config, tokenizer, kl_target=1e-6, kl_horizon=10)
+    start = trainer.kl_controller.value
+    stats = trainer.step(make_episodes())
+    assert stats["kl/ref"] > 0 and stats["kl/coef"] > start
+
+
+def test_sft_replay_runs_after_the_update_and_reports_its_loss(model, lora_config, tokenizer):
+    trainer = PPOTrainer(Policy(model, lora_config), PPOConfig(mini_batch_size=4), tokenizer.pad_token_id,
+                         ReplayConfig(sft_steps=2, sft_batch_size=3))
+    stats = trainer.step(make_episodes())
+    assert stats["sft/buffer_size"] == 1 and stats["sft/loss"] > 0
+
+
+def test_state_dict_round_trip_restores_counters_and_controller(model, lora_config, tokenizer):
+    trainer = make_trainer(model, lora_config, tokenizer)
+    trainer.step(make_episodes())
+    state = trainer.state_dict()
+    other = make_trainer(model, lora_config, tokenizer)
+    other.load_state_dict(state)
+    assert other.num_updates == 1 and other.kl_controller.value == trainer.kl_controller.value
+    assert torch.equal(other.generator.get_state(), trainer.generator.get_state())
