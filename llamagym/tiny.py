@@ -31,8 +31,14 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_tiny_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0, hidden_size: int = 32) -> LlamaForCausalLM:
-    """A 2-layer Llama with random weights sized to `tokenizer` (fp32, about 30k parameters)."""
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerFast, seed: int = 0, hidden_size: int = 32, initializer_range: float = 0.2
+) -> LlamaForCausalLM:
+    """A 2-layer Llama with random weights sized to `tokenizer` (fp32, about 37k parameters).
+
+    The init range is 10x transformers' default: with a frozen LM head of std 0.02, an adapter could move the
+    logits by well under one nat and nothing would be learnable in tests.
+    """
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -45,6 +51,7 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0, hidden_s
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
         tie_word_embeddings=False,
+        initializer_range=initializer_range,
     )
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)

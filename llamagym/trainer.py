@@ -111,7 +111,7 @@ class PPOTrainer:
                 for key, value in (("ppo/policy_loss", pg_loss), ("ppo/value_loss", v_loss), ("ppo/entropy", entropy),
                                    ("ppo/approx_kl", mb_approx_kl), ("ppo/clipfrac", clipfrac),
                                    ("ppo/value_clipfrac", v_clipfrac), ("ppo/loss", loss)):
-                    stats[key].append(float(value))
+                    stats[key].append(float(value.detach()))
             if early_stopped:
                 break
 

@@ -90,7 +90,7 @@ def test_nan_reward_skips_the_step_and_keeps_weights(model, lora_config, tokeniz
 
 
 def test_adaptive_kl_coefficient_moves_after_an_update(model, lora_config, tokenizer):
-    trainer = make_trainer(model, lora_config, tokenizer, kl_target=1e-6, kl_horizon=10)
+    trainer = make_trainer(model, lora_config, tokenizer, kl_estimator="k3", kl_target=1e-6, kl_horizon=10)
     start = trainer.kl_controller.value
     stats = trainer.step(make_episodes())
     assert stats["kl/ref"] > 0 and stats["kl/coef"] > start
