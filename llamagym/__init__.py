@@ -1,10 +1,40 @@
-"""llamagym: fine-tune LLM agents with online reinforcement learning in any Gymnasium environment."""
+"""llamagym: fine-tune LLM agents with online reinforcement learning in any Gymnasium environment.
+
+The public names are imported lazily (PEP 562), so `llamagym models` and `import llamagym.registry` stay instant.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.2.0"
 
-from .agent import Agent
-from .config import PPOConfig, ReplayConfig
-from .policy import Policy
-from .trainer import PPOTrainer
+_EXPORTS = {
+    "Agent": "agent",
+    "PPOConfig": "config",
+    "ReplayConfig": "config",
+    "ModelLoadError": "loading",
+    "load_model_and_tokenizer": "loading",
+    "Policy": "policy",
+    "PPOTrainer": "trainer",
+    "DEFAULT_MODEL": "registry",
+    "MODELS": "registry",
+    "ModelSpec": "registry",
+    "UnknownModelError": "registry",
+    "find_model_spec": "registry",
+    "get_model_spec": "registry",
+    "register_model": "registry",
+}
+__all__ = sorted(_EXPORTS) + ["__version__"]
 
-__all__ = ["Agent", "PPOConfig", "PPOTrainer", "Policy", "ReplayConfig", "__version__"]
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'llamagym' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -20,21 +20,15 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .ppo import entropy_from_logits, logprobs_from_logits
+from .registry import GENERIC_SPEC, ModelSpec
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 POLICY_META_FILE = "policy.json"
 
 
-def lora_config_from_spec(spec) -> LoraConfig:
-    """The registry's LoRA defaults for a model (a causal-LM adapter without biases)."""
-    return LoraConfig(
-        r=spec.lora_r,
-        lora_alpha=spec.lora_alpha,
-        lora_dropout=spec.lora_dropout,
-        target_modules=list(spec.lora_target_modules),
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
+def lora_config_from_spec(spec: ModelSpec | None) -> LoraConfig:
+    """The registry's LoRA defaults for a model (a causal-LM adapter without biases; all linear layers if unknown)."""
+    return LoraConfig(**(spec or GENERIC_SPEC).lora_kwargs())
 
 
 class ValueHead(nn.Module):
@@ -62,8 +56,8 @@ class Policy(nn.Module):
 
     Args:
         model: a transformers causal LM (as returned by `load_model_and_tokenizer`) or a `PeftModel`.
-        lora_config: the adapter to add; None takes the registry defaults in `model.llamagym_spec`, or a
-            q/v-projection default when the model has no spec. Ignored for a `PeftModel`.
+        lora_config: the adapter to add; None takes the registry defaults in `model.llamagym_spec` (LoRA on all
+            linear layers when the model has no spec). Ignored for a `PeftModel`.
         full_finetune: train every weight instead of an adapter; a frozen reference copy is then kept.
     """
 
@@ -78,10 +72,7 @@ class Policy(nn.Module):
             self.reference_model = copy.deepcopy(model).eval().requires_grad_(False)
         else:
             if lora_config is None:
-                spec = getattr(model, "llamagym_spec", None)
-                lora_config = lora_config_from_spec(spec) if spec is not None else LoraConfig(
-                    r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], bias="none"
-                )
+                lora_config = lora_config_from_spec(getattr(model, "llamagym_spec", None))
             if lora_config.bias != "none":
                 raise ValueError(
                     f"LoRA `bias` should be 'none' so that disabling the adapter gives the reference model exactly. "
