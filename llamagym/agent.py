@@ -11,8 +11,9 @@ import contextlib
 import logging
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from transformers import GenerationConfig
@@ -90,9 +91,8 @@ class Agent(ABC):
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = _eos_ids(tokenizer, model)
         self.generation = self._generation_settings(generation_config or {})
-        self.trainer = PPOTrainer(
-            self.policy, self.ppo_config, self.pad_token_id, (replay_config or ReplayConfig()) if sft_warm_start else None
-        )
+        replay_config = (replay_config or ReplayConfig()) if sft_warm_start else None
+        self.trainer = PPOTrainer(self.policy, self.ppo_config, self.pad_token_id, replay_config)
         self.fallback_action = fallback_action
         self.format_penalty = float(format_penalty)
         self.action_space = action_space
@@ -131,8 +131,7 @@ class Agent(ABC):
             logger.debug("%s: unparsable reply %r (%s); using the fallback action", where, reply[:200], parsed.error)
         # Only now, with nothing left that can fail, is the turn recorded.
         self.history = [*history, {"role": "assistant", "content": reply}]
-        self.episode.turns.append(Turn(prompt, reply_ids, 0.0 if parsed.valid else -self.format_penalty,
-                                       parsed.valid))
+        self.episode.turns.append(Turn(prompt, reply_ids, 0.0 if parsed.valid else -self.format_penalty, parsed.valid))
         self.last_reply = reply
         return parsed.action
 
@@ -227,8 +226,9 @@ class Agent(ABC):
                 if not parsed.valid:
                     raise ValueError(f"the expert's reply {reply!r} is not a valid action: {parsed.error}")
                 observation, reward, terminated, truncated, _ = env.step(parsed.action)
-                episode.turns.append(Turn(prompt, response_ids(self.formatter, rendered, prompt, self.eos_ids),
-                                          float(reward)))
+                episode.turns.append(
+                    Turn(prompt, response_ids(self.formatter, rendered, prompt, self.eos_ids), float(reward))
+                )
                 done = terminated or truncated
             replay.add_demo(episode)
             returns.append(episode.env_return)
@@ -239,8 +239,9 @@ class Agent(ABC):
         """Save the adapter, the value head and the trainer state (optimizer, KL controller, replay, counters)."""
         directory = Path(directory)
         self.policy.save(directory)
-        torch.save({"trainer": self.trainer.state_dict(), "episode_count": self.episode_count},
-                   directory / TRAINER_STATE_FILE)
+        torch.save(
+            {"trainer": self.trainer.state_dict(), "episode_count": self.episode_count}, directory / TRAINER_STATE_FILE
+        )
 
     def load(self, directory: str | Path) -> None:
         """Load what `save` wrote, into an agent built on the same base model."""
@@ -265,12 +266,18 @@ class Agent(ABC):
 
         top-k/top-p stay off: PPO needs the sampled distribution to be the one it scores.
         """
-        spec_generation = dict(self.spec.generation) if self.spec is not None else {}
-        settings = {"max_new_tokens": spec_generation.get("max_new_tokens", 32), "temperature": 1.0, **overrides}
+        defaults = dict(self.spec.generation) if self.spec is not None else {}
+        settings = {
+            "max_new_tokens": defaults.get("max_new_tokens", 32),
+            "temperature": defaults.get("temperature", 1.0),
+            **overrides,
+        }
         for key in ("top_k", "top_p"):
             if key in settings:
-                raise ValueError(f"`generation_config[{key!r}]` is not supported: PPO must score the distribution "
-                                 "it samples from. Use `temperature` instead.")
+                raise ValueError(
+                    f"`generation_config[{key!r}]` is not supported: PPO must score the distribution "
+                    "it samples from. Use `temperature` instead."
+                )
         if not isinstance(settings["max_new_tokens"], int) or settings["max_new_tokens"] < 1:
             raise ValueError(f"`max_new_tokens` should be an integer >= 1. Received {settings['max_new_tokens']!r}.")
         temperature = settings["temperature"]

@@ -5,8 +5,14 @@ from __future__ import annotations
 import torch
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "mps")
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
@@ -28,8 +34,10 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     if kind not in DEVICE_CHOICES:
         raise ValueError(f"`device` should be one of {', '.join(DEVICE_CHOICES)} (or cuda:N). Received {device!r}.")
     if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"`device` {device!r} was requested but CUDA is not available on this machine "
-                         f"(torch {torch.__version__}). Use --device cpu or --device auto.")
+        raise ValueError(
+            f"`device` {device!r} was requested but CUDA is not available on this machine "
+            f"(torch {torch.__version__}). Use --device cpu or --device auto."
+        )
     if kind == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise ValueError(f"`device` {device!r} was requested but MPS is not available. Use --device cpu or auto.")
     return torch.device(name)

@@ -96,8 +96,9 @@ def select(batch: TurnBatch, index: torch.Tensor) -> TurnBatch:
     """Rows `index` of a batch, trimmed to the longest remaining sequence (less padding, less compute)."""
     rows = TurnBatch(*(t[index] for t in batch))
     length = int(rows.attention_mask.sum(dim=1).max())
-    return TurnBatch(rows.input_ids[:, :length], rows.attention_mask[:, :length], rows.response_mask[:, :length],
-                     rows.value_index)
+    return TurnBatch(
+        rows.input_ids[:, :length], rows.attention_mask[:, :length], rows.response_mask[:, :length], rows.value_index
+    )
 
 
 def minibatch_indices(n: int, size: int, generator: torch.Generator) -> list[torch.Tensor]:

@@ -108,9 +108,15 @@ class PPOTrainer:
                 loss = pg_loss + cfg.vf_coef * v_loss - cfg.ent_coef * entropy
                 self._optimize(loss, stats)
                 done += 1
-                for key, value in (("ppo/policy_loss", pg_loss), ("ppo/value_loss", v_loss), ("ppo/entropy", entropy),
-                                   ("ppo/approx_kl", mb_approx_kl), ("ppo/clipfrac", clipfrac),
-                                   ("ppo/value_clipfrac", v_clipfrac), ("ppo/loss", loss)):
+                for key, value in (
+                    ("ppo/policy_loss", pg_loss),
+                    ("ppo/value_loss", v_loss),
+                    ("ppo/entropy", entropy),
+                    ("ppo/approx_kl", mb_approx_kl),
+                    ("ppo/clipfrac", clipfrac),
+                    ("ppo/value_clipfrac", v_clipfrac),
+                    ("ppo/loss", loss),
+                ):
                     stats[key].append(float(value.detach()))
             if early_stopped:
                 break
@@ -164,10 +170,11 @@ class PPOTrainer:
         bootstrap = {}
         truncated = [i for i, e in enumerate(episodes) if e.truncated and e.bootstrap_prompt_ids]
         if truncated:
-            prompts = prompt_batch([episodes[i].bootstrap_prompt_ids for i in truncated], self.pad_token_id,
-                                   self.policy.device)
+            prompts = prompt_batch(
+                [episodes[i].bootstrap_prompt_ids for i in truncated], self.pad_token_id, self.policy.device
+            )
             boot_values = self.policy(*prompts).values
-            bootstrap = dict(zip(truncated, boot_values))
+            bootstrap = dict(zip(truncated, boot_values, strict=True))
         advantages, returns, offset = torch.zeros_like(rewards), torch.zeros_like(rewards), 0
         for i, episode in enumerate(episodes):
             n = len(episode.turns)
@@ -177,8 +184,14 @@ class PPOTrainer:
             if not episode.truncated:
                 dones[-1] = 1.0
             last_value = bootstrap.get(i, torch.zeros((), device=rewards.device))
-            adv, ret = ppo.gae(rewards[offset : offset + n], values[offset : offset + n], dones, last_value,
-                               self.config.gamma, self.config.lam)
+            adv, ret = ppo.gae(
+                rewards[offset : offset + n],
+                values[offset : offset + n],
+                dones,
+                last_value,
+                self.config.gamma,
+                self.config.lam,
+            )
             advantages[offset : offset + n], returns[offset : offset + n] = adv, ret
             offset += n
         return advantages, returns

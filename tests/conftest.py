@@ -27,5 +27,6 @@ def model(tokenizer):
 @pytest.fixture
 def lora_config():
     """A LoRA adapter that is not the identity at step 0 (so adapter != base can be checked)."""
-    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], bias="none", lora_dropout=0.0,
-                      init_lora_weights=False)
+    return LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], bias="none", lora_dropout=0.0, init_lora_weights=False
+    )

@@ -181,9 +181,12 @@ def test_save_and_load_restore_the_policy_and_the_trainer(model, tokenizer, lora
     agent = make_agent(model, tokenizer, lora_config)
     play(agent, CountingEnv(length=2), episodes=2)
     agent.save(tmp_path)
-    other = make_agent(build_tiny_model(tokenizer), tokenizer, LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], bias="none", lora_dropout=0.0))
+    other = make_agent(
+        build_tiny_model(tokenizer),
+        tokenizer,
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], bias="none", lora_dropout=0.0),
+    )
     other.load(tmp_path)
     assert other.trainer.num_updates == 1 and other.episode_count == 2
-    for (name, a), b in zip(agent.policy.state_dict().items(), other.policy.state_dict().values()):
+    for (name, a), b in zip(agent.policy.state_dict().items(), other.policy.state_dict().values(), strict=True):
         assert torch.equal(a, b), name

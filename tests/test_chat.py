@@ -13,8 +13,9 @@ def history(n):
 def test_prompt_is_the_tokenizers_own_chat_template(tokenizer):
     formatter = ChatFormatter(tokenizer)
     ids, dropped = formatter.prompt_ids("SYS", history(1))
-    expected = tokenizer.apply_chat_template([{"role": "system", "content": "SYS"}, *history(1)],
-                                             add_generation_prompt=True, return_dict=True)["input_ids"]
+    expected = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "SYS"}, *history(1)], add_generation_prompt=True, return_dict=True
+    )["input_ids"]
     assert ids == list(expected) and dropped == 0
 
 

@@ -30,11 +30,20 @@ class LetterAgent(Agent):
 def make_agent(max_new_tokens=1):
     torch.manual_seed(0)
     model, tokenizer = build_tiny(seed=0)
-    config = PPOConfig(batch_size=BATCH, mini_batch_size=BATCH, ppo_epochs=4, learning_rate=1e-2, kl_coef=0.0,
-                       adaptive_kl=False, gamma=1.0, lam=0.95)
+    config = PPOConfig(
+        batch_size=BATCH,
+        mini_batch_size=BATCH,
+        ppo_epochs=4,
+        learning_rate=1e-2,
+        kl_coef=0.0,
+        adaptive_kl=False,
+        gamma=1.0,
+        lam=0.95,
+    )
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], bias="none", lora_dropout=0.0)
-    return LetterAgent(model, tokenizer, ppo_config=config, lora_config=lora,
-                       generation_config={"max_new_tokens": max_new_tokens})
+    return LetterAgent(
+        model, tokenizer, ppo_config=config, lora_config=lora, generation_config={"max_new_tokens": max_new_tokens}
+    )
 
 
 def run(agent, episode_fn):

@@ -78,8 +78,10 @@ def test_save_then_load_round_trips_adapter_and_value_head(tokenizer, lora_confi
         policy.value_head.linear.weight.normal_()
     before = policy(*batch)
     policy.save(tmp_path)
-    fresh = Policy(build_tiny_model(tokenizer), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                            bias="none", lora_dropout=0.0))
+    fresh = Policy(
+        build_tiny_model(tokenizer),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], bias="none", lora_dropout=0.0),
+    )
     assert not torch.allclose(fresh(*batch).logprobs, before.logprobs)
     fresh.load(tmp_path)
     after = fresh(*batch)

@@ -12,8 +12,14 @@ def make_episodes(n=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     episodes = []
     for e in range(n):
-        turns = [Turn(torch.randint(0, 256, (4 + k,), generator=g).tolist(),
-                      torch.randint(0, 256, (2 + e,), generator=g).tolist(), float(e % 2)) for k in range(1 + e % 2)]
+        turns = [
+            Turn(
+                torch.randint(0, 256, (4 + k,), generator=g).tolist(),
+                torch.randint(0, 256, (2 + e,), generator=g).tolist(),
+                float(e % 2),
+            )
+            for k in range(1 + e % 2)
+        ]
         episodes.append(Episode(turns))
     return episodes
 
@@ -97,8 +103,12 @@ def test_adaptive_kl_coefficient_moves_after_an_update(model, lora_config, token
 
 
 def test_sft_replay_runs_after_the_update_and_reports_its_loss(model, lora_config, tokenizer):
-    trainer = PPOTrainer(Policy(model, lora_config), PPOConfig(mini_batch_size=4), tokenizer.pad_token_id,
-                         ReplayConfig(sft_steps=2, sft_batch_size=3))
+    trainer = PPOTrainer(
+        Policy(model, lora_config),
+        PPOConfig(mini_batch_size=4),
+        tokenizer.pad_token_id,
+        ReplayConfig(sft_steps=2, sft_batch_size=3),
+    )
     stats = trainer.step(make_episodes())
     assert stats["sft/buffer_size"] == 1 and stats["sft/loss"] > 0
 

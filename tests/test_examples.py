@@ -1,0 +1,46 @@
+"""Each example runs end to end in a subprocess on the tiny random model (CleanRL style)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def run_example(script, *args, cwd):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    env.pop("WANDB_PROJECT", None)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_blackjack_smoke_run_trains_and_writes_metrics_and_adapter(tmp_path):
+    result = run_example(
+        "blackjack.py",
+        "--model",
+        "tiny-random",
+        "--episodes",
+        "4",
+        "--batch-size",
+        "2",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(tmp_path / "run"),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 4 and any("ppo/policy_loss" in line for line in lines)
+    assert (tmp_path / "run" / "final" / "adapter_model.safetensors").exists()
