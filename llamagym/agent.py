@@ -12,25 +12,27 @@ import logging
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
 
-from .actions import parse_action
+from .acting import Actor
+from .actions import ParsedAction, parse_action
 from .chat import ChatFormatter, Message
 from .config import PPOConfig, ReplayConfig
 from .demos import episode_from_messages, load_jsonl, response_ids
 from .devices import resolve_device
 from .policy import Policy
 from .registry import find_model_spec
-from .rollout import Episode, Turn, left_pad
+from .rollout import Episode, Turn, unbatch
 from .trainer import PPOTrainer
 
 logger = logging.getLogger(__name__)
 
 TRAINER_STATE_FILE = "trainer.pt"
+ACTION_MODES = ("auto", "generate", "score")
 
 
 class Agent(ABC):
@@ -52,6 +54,8 @@ class Agent(ABC):
         fallback_action: the action used when a reply cannot be parsed. Set it to a valid action of your env.
         format_penalty: subtracted from a turn's reward when its reply could not be parsed.
         action_space: the env's action space, to reject parsed actions outside it.
+        action_mode: "generate" (sample a reply and parse it), "score" (choose among `action_candidates`), or
+            "auto" (score when `action_candidates` returns a list, else generate).
     """
 
     def __init__(
@@ -71,7 +75,10 @@ class Agent(ABC):
         fallback_action: Any = 0,
         format_penalty: float = 0.0,
         action_space=None,
+        action_mode: str = "auto",
     ):
+        if action_mode not in ACTION_MODES:
+            raise ValueError(f"`action_mode` should be one of {', '.join(ACTION_MODES)}. Received {action_mode!r}.")
         if fallback_action is None:
             raise ValueError("`fallback_action` should be a valid action of your env (it replaces unparsable replies).")
         if not isinstance(format_penalty, (int, float)) or not math.isfinite(format_penalty) or format_penalty < 0:
@@ -96,12 +103,15 @@ class Agent(ABC):
         self.fallback_action = fallback_action
         self.format_penalty = float(format_penalty)
         self.action_space = action_space
+        self.actor = Actor(self.policy, self.formatter, self.pad_token_id, self.eos_ids, self.generation)
+        self.action_mode = action_mode
         self.greedy = False
         self.batch: list[Episode] = []
         self.episode_count = 0
-        self._start_episode()
+        self.slots: list[_Slot] = []
+        self._ensure_slots(1)  # slot 0 is the single-env loop's
 
-    # ---- the three hooks -------------------------------------------------------------------------------------
+    # ---- the three hooks (and one optional) --------------------------------------------------------------------
     @abstractmethod
     def get_system_prompt(self) -> str:
         """The system prompt that opens every episode's conversation."""
@@ -114,39 +124,25 @@ class Agent(ABC):
     def extract_action(self, response: str):
         """The env action for a model reply; return None (or raise) when the reply has no valid action."""
 
-    # ---- the loop API ----------------------------------------------------------------------------------------
+    def action_candidates(self, observation) -> list[str] | None:
+        """Optional: the valid replies for `observation`, to score instead of generating (scoring mode).
+
+        The default returns `action_names` when the subclass sets it (for a `Discrete` space, reply i is action
+        i), else None (generate mode). Overriding it with, e.g., TextWorld's admissible commands makes every
+        reply valid; each chosen candidate then goes through `extract_action` like a generated reply.
+        """
+        return list(self.action_names) if self.action_names is not None else None
+
+    action_names: list[str] | None = None
+
+    # ---- the loop API: one env ---------------------------------------------------------------------------------
     def act(self, observation):
         """Reply to `observation` with the current policy and return the env action it names."""
-        where = f"episode {self.episode_count}, turn {len(self.episode.turns)}"
-        try:
-            message = {"role": "user", "content": str(self.format_observation(observation))}
-        except Exception as exc:
-            raise RuntimeError(f"format_observation failed in {where}: {exc}") from exc
-        history = [*self.history, message]
-        prompt, _ = self.formatter.prompt_ids(self.get_system_prompt(), history)
-        reply_ids = self._generate([prompt])[0]
-        reply = self.tokenizer.decode(reply_ids, skip_special_tokens=True)
-        parsed = parse_action(reply, self.extract_action, self.fallback_action, self.action_space)
-        if not parsed.valid:
-            logger.debug("%s: unparsable reply %r (%s); using the fallback action", where, reply[:200], parsed.error)
-        # Only now, with nothing left that can fail, is the turn recorded.
-        self.history = [*history, {"role": "assistant", "content": reply}]
-        self.episode.turns.append(Turn(prompt, reply_ids, 0.0 if parsed.valid else -self.format_penalty, parsed.valid))
-        self.last_reply = reply
-        return parsed.action
+        return self.act_batch([observation])[0]
 
     def assign_reward(self, reward: float) -> None:
         """Add the env reward that followed the last action (call it after every `env.step`)."""
-        where = f"episode {self.episode_count}, turn {len(self.episode.turns) - 1}"
-        if not self.episode.turns:
-            raise RuntimeError(f"assign_reward() was called before act() in episode {self.episode_count}.")
-        try:
-            value = float(reward)
-        except (TypeError, ValueError):
-            raise ValueError(f"reward should be a number; got {reward!r} in {where}.") from None
-        if not math.isfinite(value):
-            raise ValueError(f"reward should be finite; got {value} in {where}. Check the env's reward.")
-        self.episode.turns[-1].reward += value
+        self.assign_rewards([reward], active=[True] + [False] * (len(self.slots) - 1))
 
     def terminate_episode(self, truncated: bool = False, final_observation=None) -> dict[str, float]:
         """End the episode; train when the batch is full. Returns episode stats, plus training stats if it trained.
@@ -156,32 +152,143 @@ class Agent(ABC):
                 bootstrapped from the value of `final_observation` (or of the last state when not given).
             final_observation: the observation after the last step, used only when `truncated`.
         """
-        episode, history = self.episode, self.history
-        turns = episode.turns
+        dones = [True] + [False] * (len(self.slots) - 1)
+        return self.end_episodes(dones, truncated=[truncated] + dones[1:], final_observations=[final_observation])
+
+    # ---- the loop API: many envs at once -----------------------------------------------------------------------
+    def act_batch(self, observations, active=None, space=None) -> list:
+        """Actions for N envs from one batched generate (or scoring) call; slot i keeps env i's conversation.
+
+        Args:
+            observations: one observation per env (a list), or a vector env's batched observation with `space`.
+            active: optional N booleans; inactive slots (e.g. a vector env's autoreset step) get the fallback
+                action and record nothing.
+            space: the single-env observation space, to split a vector env's batched observation.
+        """
+        if space is not None:
+            observations = unbatch(space, observations)
+        observations = list(observations)
+        self._ensure_slots(len(observations))
+        active = [True] * len(observations) if active is None else [bool(a) for a in active]
+        index = [i for i, on in enumerate(active) if on]
+        system_prompt = self.get_system_prompt()
+        histories, prompts, candidates = [], [], []
+        for i in index:
+            slot = self.slots[i]
+            try:
+                message = {"role": "user", "content": str(self.format_observation(observations[i]))}
+                texts = self.action_candidates(observations[i]) if self.action_mode != "generate" else None
+            except Exception as exc:
+                raise RuntimeError(f"a hook failed in {slot.where()}: {exc}") from exc
+            if texts is not None and not texts:
+                raise ValueError(f"action_candidates returned no candidates in {slot.where()}.")
+            if texts is None and self.action_mode == "score":
+                raise ValueError(
+                    f"action_mode='score' but action_candidates returned None in {slot.where()}; "
+                    "return the list of valid replies, or set action_names."
+                )
+            histories.append([*slot.history, message])
+            prompts.append(self.formatter.prompt_ids(system_prompt, histories[-1])[0])
+            candidates.append(texts)
+        if not index:
+            return [self.fallback_action] * len(observations)
+        scoring = candidates[0] is not None
+        if any((texts is not None) != scoring for texts in candidates):
+            raise ValueError("action_candidates returned a list for some envs and None for others in one step.")
+        if scoring:
+            cand_ids = [[self.actor.candidate_ids(t) for t in texts] for texts in candidates]
+            choices = self.actor.choose(prompts, cand_ids, greedy=self.greedy)
+            replies = [texts[c] for texts, c in zip(candidates, choices, strict=True)]
+            reply_ids = [ids[c] for ids, c in zip(cand_ids, choices, strict=True)]
+        else:
+            reply_ids = self.actor.generate(prompts, greedy=self.greedy)
+            replies = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in reply_ids]
+        actions = [self.fallback_action] * len(observations)
+        for k, i in enumerate(index):
+            slot = self.slots[i]
+            if scoring and candidates[k] == self.action_names:
+                parsed = ParsedAction(choices[k] + _space_start(self.action_space), True, None)
+            else:
+                parsed = parse_action(replies[k], self.extract_action, self.fallback_action, self.action_space)
+            if not parsed.valid:
+                logger.debug("%s: unparsable reply %r (%s)", slot.where(), replies[k][:200], parsed.error)
+            # Only now, with nothing left that can fail, is the turn recorded.
+            slot.history = [*histories[k], {"role": "assistant", "content": replies[k]}]
+            slot.episode.turns.append(
+                Turn(
+                    prompts[k],
+                    reply_ids[k],
+                    0.0 if parsed.valid else -self.format_penalty,
+                    parsed.valid,
+                    cand_ids[k] if scoring else None,
+                    choices[k] if scoring else None,
+                )
+            )
+            slot.last_reply = replies[k]
+            actions[i] = parsed.action
+        return actions
+
+    def assign_rewards(self, rewards, active=None) -> None:
+        """Add each env's reward to its slot's last turn (inactive slots are skipped)."""
+        rewards = list(rewards)
+        active = [True] * len(rewards) if active is None else [bool(a) for a in active]
+        checked = []
+        for i, (reward, on) in enumerate(zip(rewards, active, strict=True)):
+            if not on:
+                continue
+            slot = self._slot(i)
+            if not slot.episode.turns:
+                raise RuntimeError(f"assign_reward() was called before act() in episode {slot.number}.")
+            try:
+                value = float(reward)
+            except (TypeError, ValueError):
+                raise ValueError(f"reward should be a number; got {reward!r} in {slot.where(-1)}.") from None
+            if not math.isfinite(value):
+                raise ValueError(f"reward should be finite; got {value} in {slot.where(-1)}. Check the env's reward.")
+            checked.append((slot, value))
+        for slot, value in checked:
+            slot.episode.turns[-1].reward += value
+
+    def end_episodes(self, dones, truncated=None, final_observations=None) -> dict[str, float]:
+        """End the episodes of the slots where `dones` is true; train when the batch is full.
+
+        Returns the mean `env/return`, `env/length` and `agent/invalid_action_rate` of the episodes that ended
+        (with `env/episodes` their count), plus the training stats when an update ran.
+        """
+        dones = [bool(d) for d in dones]
+        truncated = [False] * len(dones) if truncated is None else [bool(t) for t in truncated]
+        finals = list(final_observations) if final_observations is not None else [None] * len(dones)
+        ended = []
+        for i in (i for i, done in enumerate(dones) if done):
+            slot = self._slot(i)
+            episode, turns = slot.episode, slot.episode.turns
+            episode.truncated = truncated[i]
+            if truncated[i] and i < len(finals) and finals[i] is not None and turns:
+                message = {"role": "user", "content": str(self.format_observation(finals[i]))}
+                episode.bootstrap_prompt_ids, _ = self.formatter.prompt_ids(
+                    self.get_system_prompt(), [*slot.history, message]
+                )
+            ended.append(episode)
+            self.slots[i] = self._new_slot()
+            if turns and not self.greedy:
+                self.batch.append(episode)
         stats = {
-            "env/return": episode.env_return,
-            "env/length": float(len(turns)),
-            "agent/invalid_action_rate": sum(not t.valid for t in turns) / len(turns) if turns else 0.0,
+            "env/return": _mean(e.env_return for e in ended),
+            "env/length": _mean(len(e.turns) for e in ended),
+            "agent/invalid_action_rate": _mean(_mean(not t.valid for t in e.turns) for e in ended),
+            "env/episodes": float(len(ended)),
         }
-        episode.truncated = bool(truncated)
-        if truncated and final_observation is not None and turns:
-            message = {"role": "user", "content": str(self.format_observation(final_observation))}
-            episode.bootstrap_prompt_ids, _ = self.formatter.prompt_ids(self.get_system_prompt(), [*history, message])
-        self._start_episode()
-        self.episode_count += 1
-        if turns and not self.greedy:
-            self.batch.append(episode)
         if len(self.batch) >= self.ppo_config.batch_size:
             stats.update(self.train())
         return stats
 
     def train(self) -> dict[str, float]:
-        """Run a PPO update on the episodes collected so far (terminate_episode calls it when the batch is full)."""
+        """Run a PPO update on the episodes collected so far (the loop calls it when the batch is full)."""
         if not self.batch:
             return {}
         episodes, self.batch = self.batch, []
         stats = self.trainer.step(episodes)
-        stats["agent/batch_invalid_action_rate"] = _mean([not t.valid for e in episodes for t in e.turns])
+        stats["agent/batch_invalid_action_rate"] = _mean(not t.valid for e in episodes for t in e.turns)
         return stats
 
     @contextlib.contextmanager
@@ -192,6 +299,19 @@ class Agent(ABC):
             yield self
         finally:
             self.greedy = previous
+
+    # slot 0 is the single-env loop's episode
+    @property
+    def episode(self) -> Episode:
+        return self.slots[0].episode
+
+    @property
+    def history(self) -> list[Message]:
+        return self.slots[0].history
+
+    @property
+    def last_reply(self) -> str:
+        return self.slots[0].last_reply
 
     # ---- demonstrations --------------------------------------------------------------------------------------
     def load_demonstrations(self, path: str | Path) -> int:
@@ -252,9 +372,18 @@ class Agent(ABC):
         self.episode_count = state["episode_count"]
 
     # ---- internals -------------------------------------------------------------------------------------------
-    def _start_episode(self) -> None:
-        self.episode = Episode()
-        self.history: list[Message] = []
+    def _new_slot(self) -> _Slot:
+        self.episode_count += 1
+        return _Slot(Episode(), [], self.episode_count - 1)
+
+    def _ensure_slots(self, n: int) -> None:
+        while len(self.slots) < n:
+            self.slots.append(self._new_slot())
+
+    def _slot(self, i: int) -> _Slot:
+        if i >= len(self.slots):
+            raise RuntimeError(f"env slot {i} has not acted yet; call act_batch() with its observation first.")
+        return self.slots[i]
 
     def _replay(self):
         if self.trainer.replay is None:
@@ -286,24 +415,22 @@ class Agent(ABC):
         self.policy.temperature = float(temperature)
         return settings
 
-    def _generate(self, prompts: list[list[int]]) -> list[list[int]]:
-        """Replies for left-padded prompts: sampled (or greedy in `evaluating()`), cut after the end token."""
-        input_ids, attention_mask = left_pad(prompts, self.pad_token_id, self.policy.device)
-        config = GenerationConfig(
-            max_new_tokens=self.generation["max_new_tokens"],
-            do_sample=not self.greedy,
-            temperature=self.generation["temperature"] if not self.greedy else None,
-            top_k=None if self.greedy else 0,
-            top_p=None if self.greedy else 1.0,
-            pad_token_id=self.pad_token_id,
-            eos_token_id=sorted(self.eos_ids),
-        )
-        output = self.policy.generate(input_ids, attention_mask, generation_config=config)
-        replies = []
-        for row in output[:, input_ids.shape[1] :].tolist():
-            end = next((i + 1 for i, token in enumerate(row) if token in self.eos_ids), len(row))
-            replies.append(row[:end])
-        return replies
+
+@dataclass
+class _Slot:
+    """One env's running episode: its turns, its conversation and its number (for error messages)."""
+
+    episode: Episode
+    history: list[Message]
+    number: int
+    last_reply: str = ""
+
+    def where(self, offset: int = 0) -> str:
+        return f"episode {self.number}, turn {len(self.episode.turns) + offset}"
+
+
+def _space_start(space) -> int:
+    return int(getattr(space, "start", 0)) if space is not None else 0
 
 
 def _eos_ids(tokenizer, model) -> set[int]:

@@ -21,6 +21,7 @@ from torch import nn
 
 from .ppo import entropy_from_logits, logprobs_from_logits
 from .registry import GENERIC_SPEC, ModelSpec
+from .rollout import ScoreBatch
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 POLICY_META_FILE = "policy.json"
@@ -49,6 +50,11 @@ class PolicyOutput(NamedTuple):
     logprobs: torch.Tensor  # (B, L) fp32 log-prob of each token at response positions, 0 elsewhere
     values: torch.Tensor | None  # (B,) fp32 value at `value_index`, or None when not asked for
     entropy: torch.Tensor | None  # (B, L) fp32 entropy at response positions, or None when not asked for
+
+
+class ScoreOutput(NamedTuple):
+    logprobs: torch.Tensor  # (N, C) log-probability of each candidate reply, -inf where a row has fewer
+    values: torch.Tensor  # (N,) fp32 value at the last prompt token
 
 
 class Policy(nn.Module):
@@ -111,13 +117,19 @@ class Policy(nn.Module):
         return [p for p in self.parameters() if p.requires_grad]
 
     # ---- forward ---------------------------------------------------------------------------------------------
-    def _hidden(self, input_ids, attention_mask, reference: bool):
+    def _hidden(self, input_ids, attention_mask, reference: bool, position_ids=None):
         lm = self.causal_lm(reference)
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         if self._full_forward:
-            out = lm(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+            out = lm(**inputs, output_hidden_states=True)
             return out.hidden_states[-1], out.logits
-        decoder = lm.get_decoder()
-        return decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state, None
+        return lm.get_decoder()(**inputs).last_hidden_state, None
+
+    def _token_logits(self, hidden, full_logits, rows, positions, reference: bool) -> torch.Tensor:
+        """Logits predicted at (rows, positions), running the LM head on those positions only."""
+        if full_logits is not None:
+            return full_logits[rows, positions]
+        return self.causal_lm(reference).get_output_embeddings()(hidden[rows, positions])
 
     def forward(
         self,
@@ -139,10 +151,8 @@ class Policy(nn.Module):
         """
         hidden, full_logits = self._hidden(input_ids, attention_mask, reference)
         select = response_mask[:, 1:].bool()  # the token at p is predicted by the hidden state at p - 1
-        if full_logits is not None:
-            logits = full_logits[:, :-1][select]
-        else:
-            logits = self.causal_lm(reference).get_output_embeddings()(hidden[:, :-1][select])
+        rows, positions = select.nonzero(as_tuple=True)
+        logits = self._token_logits(hidden, full_logits, rows, positions, reference)
         if self.temperature != 1.0:
             logits = logits / self.temperature
         targets = input_ids[:, 1:][select]
@@ -160,6 +170,26 @@ class Policy(nn.Module):
             rows = torch.arange(hidden.shape[0], device=hidden.device)
             values = self.value_head(hidden[rows, value_index])
         return PolicyOutput(logprobs, values, entropy)
+
+    def score(self, batch: ScoreBatch, reference: bool = False) -> ScoreOutput:
+        """The policy over candidate replies: softmax of their length-normalised log-likelihoods (TWOSOME).
+
+        One forward pass per row scores the prompt and all its packed candidates (see `rollout.ScoreBatch`).
+        """
+        hidden, full_logits = self._hidden(batch.input_ids, batch.attention_mask, reference, batch.position_ids)
+        valid = batch.owner >= 0
+        rows = torch.arange(batch.input_ids.shape[0], device=hidden.device)[:, None].expand_as(batch.owner)[valid]
+        logits = self._token_logits(hidden, full_logits, rows, batch.source[valid], reference)
+        token_logprobs = logprobs_from_logits(logits, batch.target[valid])
+        n, width = batch.input_ids.shape[0], int(batch.num_candidates.max())
+        slot = rows * width + batch.owner[valid]
+        totals = token_logprobs.new_zeros(n * width).index_add(0, slot, token_logprobs)
+        counts = token_logprobs.new_zeros(n * width).index_add(0, slot, torch.ones_like(token_logprobs))
+        scores = (totals / counts.clamp(min=1)).view(n, width)
+        exists = torch.arange(width, device=hidden.device)[None] < batch.num_candidates[:, None]
+        logprobs = torch.log_softmax(scores.masked_fill(~exists, float("-inf")), dim=-1)
+        values = self.value_head(hidden[torch.arange(n, device=hidden.device), batch.value_index])
+        return ScoreOutput(logprobs, values)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **generation_kwargs) -> torch.Tensor:

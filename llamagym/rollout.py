@@ -14,12 +14,18 @@ import torch
 
 @dataclass
 class Turn:
-    """One action: the prompt the model saw, the reply it produced and the reward that followed."""
+    """One action: the prompt the model saw, the reply it produced and the reward that followed.
+
+    In scoring mode `candidates` holds the token ids of every valid reply, `choice` the sampled one, and
+    `response_ids` is `candidates[choice]` (so supervised replay trains the chosen reply like any other).
+    """
 
     prompt_ids: list[int]  # chat-template token ids ending with the assistant header
     response_ids: list[int]  # the sampled reply tokens (including the end-of-turn token when produced)
     reward: float = 0.0  # env reward summed over assign_reward calls (plus any format penalty)
     valid: bool = True  # False when the reply could not be parsed and the fallback action was used
+    candidates: list[list[int]] | None = None  # scoring mode: token ids of each candidate reply
+    choice: int | None = None  # scoring mode: index of the chosen candidate
 
 
 @dataclass
@@ -41,6 +47,81 @@ class TurnBatch(NamedTuple):
     attention_mask: torch.Tensor  # (N, L) 1 on real tokens
     response_mask: torch.Tensor  # (N, L) float, 1 exactly on the response tokens
     value_index: torch.Tensor  # (N,) position of the last prompt token, where V(s) is read
+
+
+class ScoreBatch(NamedTuple):
+    """Prompts with all their candidate replies packed into one sequence each (scoring mode).
+
+    Row i is `prompt + c_0 + c_1 + ...`; a block attention mask lets every candidate see the prompt and itself
+    only, and position ids restart after the prompt for each candidate, so one forward pass scores them all
+    exactly as if each followed the prompt alone.
+    """
+
+    input_ids: torch.Tensor  # (N, L) packed ids, right-padded
+    attention_mask: torch.Tensor  # (N, 1, L, L) bool: which position each position may attend to
+    position_ids: torch.Tensor  # (N, L)
+    value_index: torch.Tensor  # (N,) last prompt position, where V(s) is read
+    source: torch.Tensor  # (N, K) position whose output predicts candidate token k (0 where padded)
+    target: torch.Tensor  # (N, K) candidate token k's id
+    owner: torch.Tensor  # (N, K) which candidate token k belongs to, -1 where padded
+    num_candidates: torch.Tensor  # (N,)
+    choice: torch.Tensor  # (N,) index of the chosen candidate (0 when not chosen yet)
+
+
+def collate_scored(
+    prompts: list[list[int]],
+    candidates: list[list[list[int]]],
+    choices: list[int] | None = None,
+    pad_token_id: int = 0,
+    device: torch.device | str = "cpu",
+) -> ScoreBatch:
+    """Pack each prompt with its candidate replies for one-pass scoring (see `ScoreBatch`)."""
+    rows = [p + [t for c in cands for t in c] for p, cands in zip(prompts, candidates, strict=True)]
+    n, length = len(rows), max(len(r) for r in rows)
+    width = max(sum(len(c) for c in cands) for cands in candidates)
+    input_ids = torch.full((n, length), pad_token_id, dtype=torch.long)
+    allowed = torch.zeros((n, length, length), dtype=torch.bool)
+    position_ids = torch.zeros((n, length), dtype=torch.long)
+    source, target = torch.zeros((n, width), dtype=torch.long), torch.zeros((n, width), dtype=torch.long)
+    owner = torch.full((n, width), -1, dtype=torch.long)
+    for i, (prompt, cands) in enumerate(zip(prompts, candidates, strict=True)):
+        p = len(prompt)
+        input_ids[i, : len(rows[i])] = torch.tensor(rows[i], dtype=torch.long)
+        allowed[i, :p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
+        position_ids[i, :p] = torch.arange(p)
+        start, k = p, 0
+        for c, cand in enumerate(cands):
+            m = len(cand)
+            allowed[i, start : start + m, :p] = True
+            allowed[i, start : start + m, start : start + m] = torch.ones(m, m, dtype=torch.bool).tril()
+            position_ids[i, start : start + m] = torch.arange(p, p + m)
+            source[i, k : k + m] = torch.tensor([p - 1, *range(start, start + m - 1)])
+            target[i, k : k + m] = torch.tensor(cand)
+            owner[i, k : k + m] = c
+            start, k = start + m, k + m
+        pads = torch.arange(len(rows[i]), length)
+        allowed[i, pads, pads] = True  # padding attends to itself only: no fully masked (NaN) rows
+    value_index = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long)
+    num_candidates = torch.tensor([len(c) for c in candidates], dtype=torch.long)
+    choice = torch.tensor(choices if choices is not None else [0] * n, dtype=torch.long)
+    tensors = (input_ids, allowed[:, None], position_ids, value_index, source, target, owner, num_candidates, choice)
+    return ScoreBatch(*(t.to(device) for t in tensors))
+
+
+def collate_turns(turns: list[Turn], pad_token_id: int, device: torch.device | str = "cpu"):
+    """A `ScoreBatch` when the turns were scored, else a `TurnBatch`; all turns must be of one kind."""
+    scored = {turn.candidates is not None for turn in turns}
+    if len(scored) > 1:
+        raise ValueError("A batch mixes generated and scored turns; keep one action mode per agent.")
+    if scored.pop():
+        return collate_scored(
+            [t.prompt_ids for t in turns],
+            [t.candidates for t in turns],
+            [t.choice for t in turns],
+            pad_token_id,
+            device,
+        )
+    return collate(turns, pad_token_id, device)
 
 
 def collate(turns: list[Turn], pad_token_id: int, device: torch.device | str = "cpu") -> TurnBatch:
@@ -92,13 +173,28 @@ def left_pad(prompts: list[list[int]], pad_token_id: int, device: torch.device |
     return input_ids.to(device), attention_mask.to(device)
 
 
-def select(batch: TurnBatch, index: torch.Tensor) -> TurnBatch:
-    """Rows `index` of a batch, trimmed to the longest remaining sequence (less padding, less compute)."""
-    rows = TurnBatch(*(t[index] for t in batch))
+def select(batch, index: torch.Tensor):
+    """Rows `index` of a `TurnBatch` (trimmed to its longest remaining sequence) or of a `ScoreBatch`."""
+    rows = type(batch)(*(t[index] for t in batch))
+    if isinstance(rows, ScoreBatch):
+        return rows
     length = int(rows.attention_mask.sum(dim=1).max())
     return TurnBatch(
         rows.input_ids[:, :length], rows.attention_mask[:, :length], rows.response_mask[:, :length], rows.value_index
     )
+
+
+def unbatch(space, observations) -> list:
+    """Split a vector env's batched observation into one observation per env (Tuple and Dict spaces nest)."""
+    name = type(space).__name__
+    if name == "Tuple":
+        parts = [unbatch(sub, batched) for sub, batched in zip(space.spaces, observations, strict=True)]
+        return [tuple(items) for items in zip(*parts, strict=True)]
+    if name == "Dict":
+        parts = {key: unbatch(sub, observations[key]) for key, sub in space.spaces.items()}
+        count = len(next(iter(parts.values()))) if parts else 0
+        return [{key: values[i] for key, values in parts.items()} for i in range(count)]
+    return list(observations)
 
 
 def minibatch_indices(n: int, size: int, generator: torch.Generator) -> list[torch.Tensor]:

@@ -24,7 +24,7 @@ from . import ppo
 from .config import PPOConfig, ReplayConfig
 from .policy import Policy
 from .replay import SFTReplayBuffer, sft_loss
-from .rollout import Episode, TurnBatch, collate, minibatch_indices, prompt_batch, select
+from .rollout import Episode, ScoreBatch, TurnBatch, collate, collate_turns, minibatch_indices, prompt_batch, select
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +63,8 @@ class PPOTrainer:
         if not episodes:
             raise ValueError("PPOTrainer.step() needs at least one episode with a turn.")
         turns = [turn for episode in episodes for turn in episode.turns]
-        batch = collate(turns, self.pad_token_id, self.policy.device)
-        mask = batch.response_mask
+        batch = collate_turns(turns, self.pad_token_id, self.policy.device)
+        mask = _action_mask(batch)
         # Shuffles for every epoch are drawn up front: the old log-probs are computed on epoch 0's minibatches,
         # so the first minibatch repeats that exact forward and its ratio is exactly 1.
         plans = [minibatch_indices(len(turns), cfg.mini_batch_size, self.generator) for _ in range(cfg.ppo_epochs)]
@@ -89,22 +89,18 @@ class PPOTrainer:
         early_stopped, done = False, 0
         for plan in plans:
             for index in plan:
-                mb = select(batch, index)
-                length = mb.input_ids.shape[1]
-                mb_old_logprobs = old_logprobs[index, :length]
-                out = self.policy(*mb, with_entropy=True)
-                mb_approx_kl = ppo.approx_kl(out.logprobs, mb_old_logprobs, mb.response_mask)
+                mb_logprobs, mb_mask, mb_values, mb_entropy = self._evaluate(select(batch, index), with_entropy=True)
+                mb_old_logprobs = old_logprobs[index, : mb_logprobs.shape[1]]
+                mb_approx_kl = ppo.approx_kl(mb_logprobs, mb_old_logprobs, mb_mask)
                 if cfg.use_target_kl and ppo.kl_exceeded(float(mb_approx_kl.detach()), cfg.target_kl):
                     early_stopped = True
                     break
                 mb_advantages = advantages[index].unsqueeze(-1).expand_as(mb_old_logprobs)
-                pg_loss, clipfrac = ppo.policy_loss(
-                    out.logprobs, mb_old_logprobs, mb_advantages, mb.response_mask, cfg.clip_coef
-                )
+                pg_loss, clipfrac = ppo.policy_loss(mb_logprobs, mb_old_logprobs, mb_advantages, mb_mask, cfg.clip_coef)
                 v_loss, v_clipfrac = ppo.value_loss(
-                    out.values, old_values[index], returns[index], torch.ones_like(out.values), cfg.vf_clip_coef
+                    mb_values, old_values[index], returns[index], torch.ones_like(mb_values), cfg.vf_clip_coef
                 )
-                entropy = ppo.masked_mean(out.entropy, mb.response_mask)
+                entropy = ppo.masked_mean(mb_entropy, mb_mask)
                 loss = pg_loss + cfg.vf_coef * v_loss - cfg.ent_coef * entropy
                 self._optimize(loss, stats)
                 done += 1
@@ -152,16 +148,29 @@ class PPOTrainer:
         return result
 
     # ---- pieces ----------------------------------------------------------------------------------------------
+    def _evaluate(self, batch: TurnBatch | ScoreBatch, reference: bool = False, with_entropy: bool = False):
+        """(log-probs, mask, values, entropy) of the actions taken, shaped (B, T) with T = 1 in scoring mode.
+
+        Generated turns give one log-prob per response token; scored turns one per turn: log pi(chosen candidate).
+        """
+        if isinstance(batch, ScoreBatch):
+            out = self.policy.score(batch, reference=reference)
+            chosen = out.logprobs.gather(1, batch.choice[:, None])
+            probs = out.logprobs.exp()
+            entropy = -(probs * out.logprobs.masked_fill(probs == 0, 0.0)).sum(-1, keepdim=True)
+            return chosen, torch.ones_like(chosen), out.values, entropy
+        out = self.policy(*batch, reference=reference, with_entropy=with_entropy)
+        return out.logprobs, batch.response_mask, out.values, out.entropy
+
     @torch.no_grad()
-    def _score(self, batch: TurnBatch, plan: list[torch.Tensor], reference: bool):
-        """Log-probs (N, L) and values (N,) of the whole batch, computed minibatch by minibatch as in `plan`."""
-        logprobs = torch.zeros_like(batch.response_mask)
+    def _score(self, batch: TurnBatch | ScoreBatch, plan: list[torch.Tensor], reference: bool):
+        """Log-probs (N, T) and values (N,) of the whole batch, computed minibatch by minibatch as in `plan`."""
+        logprobs = torch.zeros_like(_action_mask(batch))
         values = torch.zeros(batch.input_ids.shape[0], device=logprobs.device)
         for index in plan:
-            mb = select(batch, index)
-            out = self.policy(*mb, reference=reference)
-            logprobs[index, : mb.input_ids.shape[1]] = out.logprobs
-            values[index] = out.values
+            mb_logprobs, _, mb_values, _ = self._evaluate(select(batch, index), reference=reference)
+            logprobs[index, : mb_logprobs.shape[1]] = mb_logprobs
+            values[index] = mb_values
         return logprobs, values
 
     @torch.no_grad()
@@ -255,3 +264,10 @@ class PPOTrainer:
         self.skipped_updates = state["skipped_updates"]
         if self.replay is not None and state.get("replay") is not None:
             self.replay.load_state_dict(state["replay"])
+
+
+def _action_mask(batch: TurnBatch | ScoreBatch) -> torch.Tensor:
+    """(N, T) float mask of the action log-probs: the response tokens, or one slot per scored turn."""
+    if isinstance(batch, ScoreBatch):
+        return torch.ones((batch.input_ids.shape[0], 1), device=batch.input_ids.device)
+    return batch.response_mask

@@ -82,3 +82,25 @@ def test_final_reward_teaches_the_first_turns_choice():
         return float(first == 1)
 
     assert_learned(run(make_agent(), episode))
+
+
+class NamedAgent(LetterAgent):
+    action_names = ["left", "right"]
+
+
+def test_scoring_mode_learns_the_rewarded_named_action():
+    torch.manual_seed(0)
+    model, tokenizer = build_tiny(seed=0)
+    config = PPOConfig(
+        batch_size=BATCH, mini_batch_size=BATCH, ppo_epochs=4, learning_rate=1e-2, kl_coef=0.0, adaptive_kl=False
+    )
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], bias="none", lora_dropout=0.0)
+    agent = NamedAgent(model, tokenizer, ppo_config=config, lora_config=lora, action_mode="score")
+
+    def episode(agent):
+        reward = float(agent.act("go") == 1)  # "right" is action 1
+        agent.assign_reward(reward)
+        return reward
+
+    curve = run(agent, episode)
+    assert sum(curve[-5:]) / 5 > 0.9 and sum(curve[-5:]) / 5 > curve[0] + 0.2

@@ -1,0 +1,69 @@
+"""Scoring mode: the policy is a softmax over the candidates' length-normalised log-likelihoods."""
+
+import torch
+
+from llamagym import ppo
+from llamagym.config import PPOConfig
+from llamagym.policy import Policy
+from llamagym.rollout import Episode, Turn, collate, collate_scored
+from llamagym.trainer import PPOTrainer
+
+PROMPTS = [[257, 50, 51, 256, 259], [257, 52, 256, 258, 53, 256, 259]]
+CANDIDATES = [[[60, 61, 256], [70, 256]], [[80, 256], [81, 82, 83, 256], [84, 256]]]
+
+
+def manual_scores(policy, prompt, candidates):
+    batch = collate([Turn(prompt, c) for c in candidates], pad_token_id=256)
+    logprobs = policy(*batch).logprobs
+    return torch.stack([logprobs[i].sum() / len(c) for i, c in enumerate(candidates)])
+
+
+def test_probabilities_over_candidates_of_different_lengths_sum_to_one_and_match_separate_rows(model, lora_config):
+    policy = Policy(model, lora_config)
+    out = policy.score(collate_scored(PROMPTS, CANDIDATES, pad_token_id=256))
+    torch.testing.assert_close(out.logprobs.exp().sum(-1), torch.ones(2))
+    assert out.logprobs[0, 2] == float("-inf")  # row 0 has two candidates only
+    for i, (prompt, candidates) in enumerate(zip(PROMPTS, CANDIDATES, strict=True)):
+        expected = torch.log_softmax(manual_scores(policy, prompt, candidates), -1)
+        torch.testing.assert_close(out.logprobs[i, : len(candidates)], expected)
+
+
+def test_value_in_scoring_mode_is_read_at_the_last_prompt_token(model, lora_config):
+    policy = Policy(model, lora_config)
+    with torch.no_grad():
+        policy.value_head.linear.weight.normal_()
+    scored = policy.score(collate_scored(PROMPTS, CANDIDATES, pad_token_id=256)).values
+    plain = policy(*collate([Turn(p, [256]) for p in PROMPTS], pad_token_id=256)).values
+    torch.testing.assert_close(scored, plain)
+
+
+def test_greedy_choice_is_the_highest_likelihood_candidate(model, tokenizer, lora_config):
+    from llamagym.acting import Actor
+    from llamagym.chat import ChatFormatter
+
+    policy = Policy(model, lora_config)
+    actor = Actor(policy, ChatFormatter(tokenizer), 256, {256}, {"max_new_tokens": 4, "temperature": 1.0})
+    choices = actor.choose(PROMPTS, CANDIDATES, greedy=True)
+    expected = [int(manual_scores(policy, p, c).argmax()) for p, c in zip(PROMPTS, CANDIDATES, strict=True)]
+    assert choices == expected
+
+
+def test_scored_turns_train_with_ratio_exactly_one_on_the_first_minibatch(model, lora_config, monkeypatch):
+    seen = []
+    original = ppo.policy_loss
+
+    def spy(logprobs, old_logprobs, advantages, mask, clip_coef):
+        seen.append((logprobs.detach().clone(), old_logprobs.clone()))
+        return original(logprobs, old_logprobs, advantages, mask, clip_coef)
+
+    monkeypatch.setattr(ppo, "policy_loss", spy)
+    trainer = PPOTrainer(Policy(model, lora_config), PPOConfig(ppo_epochs=2, mini_batch_size=2), 256)
+    episodes = [
+        Episode([Turn(p, c[1], reward=float(i), candidates=c, choice=1)])
+        for i, (p, c) in enumerate(zip(PROMPTS, CANDIDATES, strict=True))
+    ]
+    before = [p.detach().clone() for p in trainer.policy.trainable_parameters()]
+    stats = trainer.step(episodes)
+    assert torch.equal(seen[0][0], seen[0][1]) and seen[0][0].shape == (2, 1)
+    assert stats["ppo/approx_kl"] >= 0 and stats["ppo/minibatches"] == 2
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policy.trainable_parameters(), strict=True))
