@@ -1,0 +1,131 @@
+"""Exact Blackjack evaluation: the DESIGN.md §7 references, known optimal cells, and agreement with the real env."""
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from llamagym import blackjack as bj
+from llamagym.evaluation import sampled_return
+
+# DESIGN.md §7: exact expected return and win rate per hand (each confirmed there by 200,000 simulated hands).
+REFERENCES = {
+    "uniform random": (-0.396, 0.28),
+    "always stick": (-0.186, 0.38),
+    "stick on >= 17": (-0.079, 0.41),
+    "optimal": (-0.047, 0.43),
+}
+
+
+@pytest.fixture(scope="module")
+def references():
+    return bj.reference_returns()
+
+
+@pytest.mark.parametrize("name", REFERENCES)
+def test_reference_returns_match_design_table(references, name):
+    expected_return, win_rate = REFERENCES[name]
+    result = references[name]
+    assert result["expected_return"] == pytest.approx(expected_return, abs=1e-3)
+    assert result["win"] == pytest.approx(win_rate, abs=5e-3)
+    assert result["win"] + result["draw"] + result["loss"] == pytest.approx(1.0, abs=1e-12)
+    assert result["expected_return"] == pytest.approx(result["win"] - result["loss"], abs=1e-12)
+
+
+def test_optimal_is_at_least_as_good_as_every_reference(references):
+    for result in references.values():
+        assert references["optimal"]["expected_return"] >= result["expected_return"] - 1e-12
+
+
+def test_optimal_beats_every_single_state_deviation():
+    """Flipping any one action of the optimal policy cannot raise the expected return (it is a fixed point)."""
+    optimal = bj.optimal_policy()
+    best = bj.exact_return(optimal)["expected_return"]
+    for state in bj.STATES[::7]:
+        flipped = dict(optimal)
+        flipped[state] = 1 - flipped[state]
+        assert bj.exact_return(flipped)["expected_return"] <= best + 1e-12
+
+
+def test_there_are_280_decision_states():
+    assert len(bj.STATES) == len(set(bj.STATES)) == 280  # (18 hard sums 4..21 + 10 soft sums 12..21) x 10 dealer
+    assert {s for s, _, usable in bj.STATES if not usable} == set(range(4, 22))
+    assert {s for s, _, usable in bj.STATES if usable} == set(range(12, 22))
+
+
+@pytest.mark.parametrize(
+    "state, action",
+    [
+        ((16, 10, 0), bj.HIT),
+        ((12, 4, 0), bj.STICK),
+        ((12, 2, 0), bj.HIT),
+        ((13, 2, 0), bj.STICK),
+        ((17, 1, 0), bj.STICK),
+        ((11, 10, 0), bj.HIT),
+        ((18, 9, 1), bj.HIT),
+        ((18, 1, 1), bj.HIT),
+        ((18, 8, 1), bj.STICK),
+        ((17, 6, 1), bj.HIT),
+        ((19, 10, 1), bj.STICK),
+        ((21, 10, 1), bj.STICK),
+    ],
+)
+def test_known_optimal_strategy_cells(state, action):
+    assert bj.optimal_policy()[state] == action
+
+
+def test_dealer_final_scores_are_a_distribution_over_bust_and_17_to_21():
+    for card in bj.DEALER_CARDS:
+        dist = bj.dealer_distribution(card)
+        assert set(dist) <= {0, 17, 18, 19, 20, 21}
+        assert sum(dist.values()) == pytest.approx(1.0, abs=1e-12)
+    assert bj.dealer_distribution(6)[0] > bj.dealer_distribution(10)[0]  # a 6 up busts more often than a 10
+
+
+def test_callable_mapping_and_stochastic_policies_agree():
+    table = {state: bj.stick_on_17(*state) for state in bj.STATES}
+    assert bj.exact_return(table) == bj.exact_return(bj.stick_on_17)
+    assert bj.exact_return(lambda *state: 0.5) == pytest.approx(bj.exact_return(bj.uniform_random))
+
+
+def test_always_hit_always_busts():
+    assert bj.exact_return(lambda *state: bj.HIT) == pytest.approx(
+        {"expected_return": -1, "win": 0, "draw": 0, "loss": 1}
+    )
+
+
+def test_invalid_policies_raise_with_the_state():
+    with pytest.raises(KeyError, match=r"\(4, 1, 0\)"):
+        bj.exact_return({})
+    with pytest.raises(ValueError, match="Received 2.0"):
+        bj.exact_return(lambda *state: 2)
+
+
+def test_policy_table_layout():
+    table = bj.policy_table(bj.optimal_policy())
+    assert list(table["hard"]) == list(range(4, 22))
+    assert list(table["soft"]) == list(range(12, 22))
+    assert all(len(row) == 10 for rows in table.values() for row in rows.values())
+    assert table["hard"][16][9] == 1.0  # hard 16 vs dealer 10 (column index 9): hit
+    assert table["hard"][12][3] == 0.0  # hard 12 vs dealer 4: stick
+
+
+def play_hand(env, hit_probs, rng, seed):
+    obs, _ = env.reset(seed=seed)
+    while True:
+        obs, reward, terminated, truncated, _ = env.step(int(rng.random() < hit_probs[obs]))
+        if terminated or truncated:
+            return reward
+
+
+@pytest.mark.parametrize("name", ["uniform random", "optimal"])
+def test_exact_values_agree_with_the_real_env(references, name):
+    """20,000 hands of gym.make("Blackjack-v1", natural=False, sab=False) land within 4 standard errors (~1 s)."""
+    env = gym.make("Blackjack-v1", natural=False, sab=False)
+    hit_probs = bj.hit_probabilities(bj.reference_policies()[name])
+    rng = np.random.default_rng(0)
+    stats = sampled_return(lambda seed: play_hand(env, hit_probs, rng, seed), episodes=20_000, seed=1)
+    exact = references[name]
+    assert abs(stats["mean"] - exact["expected_return"]) < 4 * stats["stderr"]
+    for key in ("win", "draw", "loss"):
+        p = exact[key]
+        assert abs(stats[key] - p) < 4 * np.sqrt(p * (1 - p) / stats["n"])
