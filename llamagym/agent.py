@@ -56,6 +56,8 @@ class Agent(ABC):
         action_space: the env's action space, to reject parsed actions outside it.
         action_mode: "generate" (sample a reply and parse it), "score" (choose among `action_candidates`), or
             "auto" (score when `action_candidates` returns a list, else generate).
+        precision: "auto" (bf16 autocast where bf16 is native, e.g. CPUs with AVX512-BF16/AMX; else fp32),
+            "bf16" or "fp32". Weights, LoRA and the value head stay fp32 either way.
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class Agent(ABC):
         format_penalty: float = 0.0,
         action_space=None,
         action_mode: str = "auto",
+        precision: str = "auto",
     ):
         if action_mode not in ACTION_MODES:
             raise ValueError(f"`action_mode` should be one of {', '.join(ACTION_MODES)}. Received {action_mode!r}.")
@@ -94,7 +97,7 @@ class Agent(ABC):
         )
         system_role = False if (self.spec is not None and not self.spec.system_role) else None
         self.formatter = ChatFormatter(tokenizer, max_prompt_tokens, system_role)
-        self.policy = Policy(model, lora_config=lora_config, full_finetune=full_finetune)
+        self.policy = Policy(model, lora_config=lora_config, full_finetune=full_finetune, precision=precision)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = _eos_ids(tokenizer, model)
         self.generation = self._generation_settings(generation_config or {})

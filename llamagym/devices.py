@@ -51,3 +51,28 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return DTYPES[str(dtype).lower()]
     except KeyError:
         raise ValueError(f"`dtype` should be one of {', '.join(DTYPES)}. Received {dtype!r}.") from None
+
+
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def fast_bf16(device: torch.device) -> bool:
+    """Whether bf16 matrix maths is native here: CUDA with bf16, or a CPU with AVX512-BF16 or AMX."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+        amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+        return bool((check is not None and check()) or (amx is not None and amx()))
+    return False
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """ "auto" -> "bf16" where bf16 is native on `device` (1.5-2.5x faster on such CPUs), else "fp32"."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"`precision` should be one of {', '.join(PRECISIONS)}. Received {precision!r}.")
+    if precision == "auto":
+        return "bf16" if fast_bf16(device) else "fp32"
+    if precision == "bf16" and device.type == "mps":
+        raise ValueError("`precision`='bf16' is not supported on MPS. Use 'fp32' or 'auto'.")
+    return precision

@@ -19,6 +19,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .devices import resolve_precision
 from .ppo import entropy_from_logits, logprobs_from_logits
 from .registry import GENERIC_SPEC, ModelSpec
 from .rollout import ScoreBatch
@@ -42,8 +43,9 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.linear.bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(..., H) hidden states of any dtype -> (...) fp32 values."""
-        return self.linear(hidden.float()).squeeze(-1)
+        """(..., H) hidden states of any dtype -> (...) fp32 values (also under autocast)."""
+        with torch.autocast(hidden.device.type, enabled=False):
+            return self.linear(hidden.float()).squeeze(-1)
 
 
 class PolicyOutput(NamedTuple):
@@ -65,9 +67,14 @@ class Policy(nn.Module):
         lora_config: the adapter to add; None takes the registry defaults in `model.llamagym_spec` (LoRA on all
             linear layers when the model has no spec). Ignored for a `PeftModel`.
         full_finetune: train every weight instead of an adapter; a frozen reference copy is then kept.
+        precision: "bf16" runs every forward under bf16 autocast (weights and the value head stay fp32), "fp32"
+            runs plain, "auto" picks bf16 where it is native (see `devices.resolve_precision`). Acting, old,
+            reference and new log-probs all use this one setting, so the PPO ratio compares like with like.
     """
 
-    def __init__(self, model, lora_config: LoraConfig | None = None, full_finetune: bool = False):
+    def __init__(
+        self, model, lora_config: LoraConfig | None = None, full_finetune: bool = False, precision: str = "fp32"
+    ):
         super().__init__()
         self.full_finetune = full_finetune
         self.reference_model = None
@@ -88,6 +95,7 @@ class Policy(nn.Module):
         config = self.causal_lm().config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.value_head = ValueHead(text_config.hidden_size).to(self.device)
+        self.precision = resolve_precision(precision, self.device)
         # Gemma-2-style logit soft-capping lives in the causal LM's forward, so the LM-head shortcut would skip it.
         self._full_forward = getattr(text_config, "final_logit_softcapping", None) is not None
         self.temperature = 1.0  # sampling temperature; log-probs are scored under the same one
@@ -117,19 +125,25 @@ class Policy(nn.Module):
         return [p for p in self.parameters() if p.requires_grad]
 
     # ---- forward ---------------------------------------------------------------------------------------------
+    def autocast(self):
+        """The autocast context every forward of this policy runs in (a no-op at fp32)."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
+
     def _hidden(self, input_ids, attention_mask, reference: bool, position_ids=None):
         lm = self.causal_lm(reference)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        if self._full_forward:
-            out = lm(**inputs, output_hidden_states=True)
-            return out.hidden_states[-1], out.logits
-        return lm.get_decoder()(**inputs).last_hidden_state, None
+        with self.autocast():
+            if self._full_forward:
+                out = lm(**inputs, output_hidden_states=True)
+                return out.hidden_states[-1], out.logits
+            return lm.get_decoder()(**inputs).last_hidden_state, None
 
     def _token_logits(self, hidden, full_logits, rows, positions, reference: bool) -> torch.Tensor:
         """Logits predicted at (rows, positions), running the LM head on those positions only."""
         if full_logits is not None:
             return full_logits[rows, positions]
-        return self.causal_lm(reference).get_output_embeddings()(hidden[rows, positions])
+        with self.autocast():
+            return self.causal_lm(reference).get_output_embeddings()(hidden[rows, positions])
 
     def forward(
         self,
@@ -194,7 +208,8 @@ class Policy(nn.Module):
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **generation_kwargs) -> torch.Tensor:
         """Sample continuations of left-padded prompts with the current policy; returns (B, L + new)."""
-        return self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **generation_kwargs)
+        with self.autocast():
+            return self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **generation_kwargs)
 
     # ---- persistence -----------------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> None:

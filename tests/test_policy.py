@@ -44,8 +44,9 @@ def test_only_lora_and_value_head_parameters_are_trainable(model, lora_config):
     assert any(n.startswith("value_head.") for n in names)
 
 
-def test_value_head_is_fp32_with_one_value_per_row(model, lora_config, batch):
-    policy = Policy(model, lora_config)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_value_head_is_fp32_with_one_value_per_row(model, lora_config, batch, precision):
+    policy = Policy(model, lora_config, precision=precision)
     out = policy(*batch)
     assert policy.value_head.linear.weight.dtype == torch.float32
     assert out.values.shape == (2,) and out.values.dtype == torch.float32
@@ -57,6 +58,20 @@ def test_logprobs_are_zero_outside_the_response(model, lora_config, batch):
     outside = batch.response_mask == 0
     assert torch.all(out.logprobs[outside] == 0) and torch.all(out.entropy[outside] == 0)
     assert torch.all(out.logprobs[~outside] < 0)
+
+
+def test_bf16_autocast_keeps_weights_fp32_and_log_probs_close_to_fp32(model, lora_config, batch):
+    policy = Policy(model, lora_config, precision="bf16")
+    low = policy(*batch).logprobs
+    policy.precision = "fp32"
+    full = policy(*batch).logprobs
+    assert all(p.dtype == torch.float32 for p in policy.parameters())
+    assert low.dtype == torch.float32 and (low - full).abs().max() < 0.1
+
+
+def test_unknown_precision_is_refused(model):
+    with pytest.raises(ValueError, match="precision"):
+        Policy(model, precision="fp8")
 
 
 def test_bias_other_than_none_is_refused(model):

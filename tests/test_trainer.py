@@ -24,13 +24,16 @@ def make_episodes(n=4, seed=0):
     return episodes
 
 
-def make_trainer(model, lora_config, tokenizer, **overrides):
+def make_trainer(model, lora_config, tokenizer, precision="fp32", **overrides):
     config = PPOConfig(**{"mini_batch_size": 2, "ppo_epochs": 2, "learning_rate": 1e-3, **overrides})
-    return PPOTrainer(Policy(model, lora_config), config, tokenizer.pad_token_id)
+    return PPOTrainer(Policy(model, lora_config, precision=precision), config, tokenizer.pad_token_id)
 
 
-def test_one_step_is_finite_moves_lora_and_value_head_and_leaves_base_bit_identical(model, lora_config, tokenizer):
-    trainer = make_trainer(model, lora_config, tokenizer)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_one_step_is_finite_moves_lora_and_value_head_and_leaves_base_bit_identical(
+    model, lora_config, tokenizer, precision
+):
+    trainer = make_trainer(model, lora_config, tokenizer, precision)
     before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
     stats = trainer.step(make_episodes())
     assert all(torch.isfinite(torch.tensor(v)) for k, v in stats.items() if k != "ppo/explained_variance")
@@ -42,7 +45,8 @@ def test_one_step_is_finite_moves_lora_and_value_head_and_leaves_base_bit_identi
             assert not changed, f"base parameter {name} moved"
 
 
-def test_first_minibatch_ratio_is_exactly_one(model, lora_config, tokenizer, monkeypatch):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_first_minibatch_ratio_is_exactly_one(model, lora_config, tokenizer, monkeypatch, precision):
     seen = []
     original = ppo.policy_loss
 
@@ -51,7 +55,8 @@ def test_first_minibatch_ratio_is_exactly_one(model, lora_config, tokenizer, mon
         return original(logprobs, old_logprobs, advantages, mask, clip_coef)
 
     monkeypatch.setattr(ppo, "policy_loss", spy)
-    stats = make_trainer(model, lora_config, tokenizer, ppo_epochs=1, mini_batch_size=64).step(make_episodes())
+    trainer = make_trainer(model, lora_config, tokenizer, precision, ppo_epochs=1, mini_batch_size=64)
+    stats = trainer.step(make_episodes())
     logprobs, old_logprobs, mask = seen[0]
     assert torch.equal(logprobs[mask.bool()], old_logprobs[mask.bool()])
     assert stats["ppo/approx_kl"] == 0.0 and stats["ppo/clipfrac"] == 0.0
