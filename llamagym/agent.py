@@ -14,13 +14,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .acting import Actor
 from .actions import ParsedAction, parse_action
 from .chat import ChatFormatter, Message
+from .checkpoint import load_checkpoint, save_checkpoint
 from .config import PPOConfig, ReplayConfig
 from .demos import episode_from_messages, load_jsonl, response_ids
 from .devices import resolve_device
@@ -31,7 +32,6 @@ from .trainer import PPOTrainer
 
 logger = logging.getLogger(__name__)
 
-TRAINER_STATE_FILE = "trainer.pt"
 ACTION_MODES = ("auto", "generate", "score")
 
 
@@ -51,6 +51,8 @@ class Agent(ABC):
         sft_warm_start: keep the best episodes and imitate them after each PPO update.
         use_target_kl: overrides `ppo_config.use_target_kl` (early-stop updates past 1.5 x target_kl).
         max_prompt_tokens: token budget of one prompt; older exchanges are dropped to fit it.
+        context_turns: how many past exchanges a prompt keeps (None = as many as fit; 0 = only the current
+            observation, a Markov policy when the observation is the whole state, e.g. Blackjack).
         fallback_action: the action used when a reply cannot be parsed. Set it to a valid action of your env.
         format_penalty: subtracted from a turn's reward when its reply could not be parsed.
         action_space: the env's action space, to reject parsed actions outside it.
@@ -74,6 +76,7 @@ class Agent(ABC):
         sft_warm_start: bool = False,
         use_target_kl: bool | None = None,
         max_prompt_tokens: int = 1024,
+        context_turns: int | None = None,
         fallback_action: Any = 0,
         format_penalty: float = 0.0,
         action_space=None,
@@ -96,7 +99,7 @@ class Agent(ABC):
             str(getattr(model.config, "name_or_path", "")), getattr(model.config, "model_type", None)
         )
         system_role = False if (self.spec is not None and not self.spec.system_role) else None
-        self.formatter = ChatFormatter(tokenizer, max_prompt_tokens, system_role)
+        self.formatter = ChatFormatter(tokenizer, max_prompt_tokens, system_role, context_turns)
         self.policy = Policy(model, lora_config=lora_config, full_finetune=full_finetune, precision=precision)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = _eos_ids(tokenizer, model)
@@ -174,62 +177,26 @@ class Agent(ABC):
         self._ensure_slots(len(observations))
         active = [True] * len(observations) if active is None else [bool(a) for a in active]
         index = [i for i, on in enumerate(active) if on]
-        system_prompt = self.get_system_prompt()
-        histories, prompts, candidates = [], [], []
-        for i in index:
-            slot = self.slots[i]
-            try:
-                message = {"role": "user", "content": str(self.format_observation(observations[i]))}
-                texts = self.action_candidates(observations[i]) if self.action_mode != "generate" else None
-            except Exception as exc:
-                raise RuntimeError(f"a hook failed in {slot.where()}: {exc}") from exc
-            if texts is not None and not texts:
-                raise ValueError(f"action_candidates returned no candidates in {slot.where()}.")
-            if texts is None and self.action_mode == "score":
-                raise ValueError(
-                    f"action_mode='score' but action_candidates returned None in {slot.where()}; "
-                    "return the list of valid replies, or set action_names."
-                )
-            histories.append([*slot.history, message])
-            prompts.append(self.formatter.prompt_ids(system_prompt, histories[-1])[0])
-            candidates.append(texts)
-        if not index:
-            return [self.fallback_action] * len(observations)
-        scoring = candidates[0] is not None
-        if any((texts is not None) != scoring for texts in candidates):
-            raise ValueError("action_candidates returned a list for some envs and None for others in one step.")
-        if scoring:
-            cand_ids = [[self.actor.candidate_ids(t) for t in texts] for texts in candidates]
-            choices = self.actor.choose(prompts, cand_ids, greedy=self.greedy)
-            replies = [texts[c] for texts, c in zip(candidates, choices, strict=True)]
-            reply_ids = [ids[c] for ids, c in zip(cand_ids, choices, strict=True)]
-        else:
-            reply_ids = self.actor.generate(prompts, greedy=self.greedy)
-            replies = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in reply_ids]
+        slots = [self.slots[i] for i in index]
+        decisions = self._decide(
+            [observations[i] for i in index], [s.history for s in slots], [s.where() for s in slots], self.greedy
+        )
         actions = [self.fallback_action] * len(observations)
-        for k, i in enumerate(index):
-            slot = self.slots[i]
-            if scoring and candidates[k] == self.action_names:
-                parsed = ParsedAction(choices[k] + _space_start(self.action_space), True, None)
-            else:
-                parsed = parse_action(replies[k], self.extract_action, self.fallback_action, self.action_space)
-            if not parsed.valid:
-                logger.debug("%s: unparsable reply %r (%s)", slot.where(), replies[k][:200], parsed.error)
+        for i, slot, d in zip(index, slots, decisions, strict=True):
             # Only now, with nothing left that can fail, is the turn recorded.
-            slot.history = [*histories[k], {"role": "assistant", "content": replies[k]}]
-            slot.episode.turns.append(
-                Turn(
-                    prompts[k],
-                    reply_ids[k],
-                    0.0 if parsed.valid else -self.format_penalty,
-                    parsed.valid,
-                    cand_ids[k] if scoring else None,
-                    choices[k] if scoring else None,
-                )
-            )
-            slot.last_reply = replies[k]
-            actions[i] = parsed.action
+            slot.history = [*d.history, {"role": "assistant", "content": d.reply}]
+            reward = 0.0 if d.parsed.valid else -self.format_penalty
+            slot.episode.turns.append(Turn(d.prompt, d.reply_ids, reward, d.parsed.valid, d.candidates, d.choice))
+            slot.last_reply = d.reply
+            actions[i] = d.parsed.action
         return actions
+
+    def predict(self, observations, greedy: bool = True) -> list:
+        """Actions for observations seen afresh (no conversation history), recording nothing: for evaluation."""
+        observations = list(observations)
+        wheres = [f"predict({i})" for i in range(len(observations))]
+        decisions = self._decide(observations, [[] for _ in observations], wheres, greedy)
+        return [d.parsed.action for d in decisions]
 
     def assign_rewards(self, rewards, active=None) -> None:
         """Add each env's reward to its slot's last turn (inactive slots are skipped)."""
@@ -358,23 +325,63 @@ class Agent(ABC):
         return _mean(returns)
 
     # ---- persistence -----------------------------------------------------------------------------------------
-    def save(self, directory: str | Path) -> None:
-        """Save the adapter, the value head and the trainer state (optimizer, KL controller, replay, counters)."""
-        directory = Path(directory)
-        self.policy.save(directory)
-        torch.save(
-            {"trainer": self.trainer.state_dict(), "episode_count": self.episode_count}, directory / TRAINER_STATE_FILE
-        )
+    def save(self, directory: str | Path, extra: dict | None = None) -> Path:
+        """Write a crash-safe checkpoint: adapter, value head, optimizer, KL controller, replay buffer, counters,
+        RNG states and `extra` (see `llamagym.checkpoint`)."""
+        return save_checkpoint(self, directory, extra)
 
-    def load(self, directory: str | Path) -> None:
-        """Load what `save` wrote, into an agent built on the same base model."""
-        directory = Path(directory)
-        self.policy.load(directory)
-        state = torch.load(directory / TRAINER_STATE_FILE, weights_only=False)
-        self.trainer.load_state_dict(state["trainer"])
-        self.episode_count = state["episode_count"]
+    def load(self, directory: str | Path, restore_rng: bool = True) -> dict:
+        """Resume from a checkpoint written by `save` (same base model); returns its `extra` dict."""
+        return load_checkpoint(self, directory, restore_rng)
 
     # ---- internals -------------------------------------------------------------------------------------------
+    def _decide(self, observations: list, histories: list, wheres: list[str], greedy: bool) -> list[_Decision]:
+        """Prompts for each observation after its history, then one batched generate or scoring call."""
+        if not observations:
+            return []
+        system_prompt = self.get_system_prompt()
+        messages, prompts, candidates = [], [], []
+        for observation, history, where in zip(observations, histories, wheres, strict=True):
+            try:
+                message = {"role": "user", "content": str(self.format_observation(observation))}
+                texts = self.action_candidates(observation) if self.action_mode != "generate" else None
+            except Exception as exc:
+                raise RuntimeError(f"a hook failed in {where}: {exc}") from exc
+            if texts is not None and not texts:
+                raise ValueError(f"action_candidates returned no candidates in {where}.")
+            if texts is None and self.action_mode == "score":
+                raise ValueError(
+                    f"action_mode='score' but action_candidates returned None in {where}; "
+                    "return the list of valid replies, or set action_names."
+                )
+            messages.append([*history, message])
+            prompts.append(self.formatter.prompt_ids(system_prompt, messages[-1])[0])
+            candidates.append(texts)
+        scoring = candidates[0] is not None
+        if any((texts is not None) != scoring for texts in candidates):
+            raise ValueError("action_candidates returned a list for some envs and None for others in one step.")
+        if scoring:
+            cand_ids = [[self.actor.candidate_ids(t) for t in texts] for texts in candidates]
+            choices = self.actor.choose(prompts, cand_ids, greedy=greedy)
+            replies = [texts[c] for texts, c in zip(candidates, choices, strict=True)]
+            reply_ids = [ids[c] for ids, c in zip(cand_ids, choices, strict=True)]
+        else:
+            cand_ids, choices = [None] * len(prompts), [None] * len(prompts)
+            reply_ids = self.actor.generate(prompts, greedy=greedy)
+            replies = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in reply_ids]
+        decisions = []
+        for k, where in enumerate(wheres):
+            if scoring and candidates[k] == self.action_names:
+                parsed = ParsedAction(choices[k] + _space_start(self.action_space), True, None)
+            else:
+                parsed = parse_action(replies[k], self.extract_action, self.fallback_action, self.action_space)
+            if not parsed.valid:
+                logger.debug("%s: unparsable reply %r (%s)", where, replies[k][:200], parsed.error)
+            decisions.append(
+                _Decision(messages[k], prompts[k], replies[k], reply_ids[k], cand_ids[k], choices[k], parsed)
+            )
+        return decisions
+
     def _new_slot(self) -> _Slot:
         self.episode_count += 1
         return _Slot(Episode(), [], self.episode_count - 1)
@@ -430,6 +437,16 @@ class _Slot:
 
     def where(self, offset: int = 0) -> str:
         return f"episode {self.number}, turn {len(self.episode.turns) + offset}"
+
+
+class _Decision(NamedTuple):
+    history: list[Message]  # the conversation up to and including the new user message
+    prompt: list[int]  # the prompt ids the model saw
+    reply: str
+    reply_ids: list[int]
+    candidates: list[list[int]] | None  # scoring mode only
+    choice: int | None  # scoring mode only
+    parsed: ParsedAction
 
 
 def _space_start(space) -> int:

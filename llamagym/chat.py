@@ -33,9 +33,16 @@ class ChatFormatter:
         tokenizer: a tokenizer with a chat template (the loader guarantees one).
         max_prompt_tokens: the budget for one prompt, in tokens.
         system_role: whether the template takes a system message; None = detect it.
+        context_turns: past exchanges (user + assistant message pairs) a prompt keeps; None = all that fit.
     """
 
-    def __init__(self, tokenizer, max_prompt_tokens: int = 1024, system_role: bool | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        max_prompt_tokens: int = 1024,
+        system_role: bool | None = None,
+        context_turns: int | None = None,
+    ):
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(
                 "The tokenizer has no chat template. Load it with llamagym.load_model_and_tokenizer (which adds a "
@@ -43,6 +50,9 @@ class ChatFormatter:
             )
         if not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
             raise ValueError(f"`max_prompt_tokens` should be an integer >= 1. Received {max_prompt_tokens!r}.")
+        if context_turns is not None and (not isinstance(context_turns, int) or context_turns < 0):
+            raise ValueError(f"`context_turns` should be None or an integer >= 0. Received {context_turns!r}.")
+        self.context_turns = context_turns
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.system_role = supports_system_role(tokenizer) if system_role is None else system_role
@@ -76,7 +86,7 @@ class ChatFormatter:
         """
         if not history or history[-1]["role"] != "user":
             raise ValueError("The conversation must end with a user message before the assistant can reply.")
-        start = 0
+        start = 0 if self.context_turns is None else max(0, len(history) - 1 - 2 * self.context_turns)
         while True:
             ids = self.encode(self.messages(system_prompt, history[start:]))
             if len(ids) <= self.max_prompt_tokens:

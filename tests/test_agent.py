@@ -190,3 +190,15 @@ def test_save_and_load_restore_the_policy_and_the_trainer(model, tokenizer, lora
     assert other.trainer.num_updates == 1 and other.episode_count == agent.episode_count
     for (name, a), b in zip(agent.policy.state_dict().items(), other.policy.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_predict_acts_greedily_from_a_fresh_context_and_records_nothing(model, tokenizer, lora_config):
+    agent = make_agent(model, tokenizer, lora_config)
+    predicted = agent.predict([0, 1])
+    assert agent.episode.turns == [] and agent.history == []
+    with agent.evaluating():
+        acted = [agent.act(0)]
+        agent.assign_reward(0.0)
+        agent.terminate_episode()
+        acted.append(agent.act(1))
+    assert predicted == acted

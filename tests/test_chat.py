@@ -53,3 +53,17 @@ def test_template_without_system_role_folds_it_into_the_first_user_message(token
 def test_history_must_end_with_a_user_message(tokenizer):
     with pytest.raises(ValueError, match="user message"):
         ChatFormatter(tokenizer).prompt_ids("SYS", history(1)[:-1])
+
+
+@pytest.mark.parametrize("turns, kept", [(0, []), (1, ["observation 2"]), (None, ["observation 0", "observation 2"])])
+def test_context_turns_limits_the_exchanges_a_prompt_keeps(tokenizer, turns, kept):
+    ids, _ = ChatFormatter(tokenizer, context_turns=turns).prompt_ids("SYS", history(3))
+    text = tokenizer.decode(ids)
+    assert text.startswith("<|system|>SYS") and text.endswith("<|user|>latest<|end|><|assistant|>")
+    for i in range(3):
+        assert (f"observation {i}" in text) == (f"observation {i}" in kept or (turns is None))
+
+
+def test_negative_context_turns_is_refused(tokenizer):
+    with pytest.raises(ValueError, match="context_turns"):
+        ChatFormatter(tokenizer, context_turns=-1)

@@ -1,0 +1,156 @@
+"""Crash-safe checkpoints: everything needed to resume training, written atomically.
+
+A checkpoint is written into a temporary sibling directory, its manifest last, then swapped into place with
+renames, so a kill at any moment leaves the previous or the new checkpoint whole, never a torn one. The
+manifest records the files (with sizes), the library version and the base model, and loading checks them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MANIFEST = "manifest.json"
+STATE_FILE = "state.pt"
+FORMAT = 1  # bump when a checkpoint written by this version can no longer be read by older ones
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, torn, or belongs to another model or an incompatible version."""
+
+
+def rng_state() -> dict:
+    """The global random states of python, numpy and torch."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def save_checkpoint(agent, directory: str | Path, extra: dict | None = None) -> Path:
+    """Write the agent's adapter, value head, trainer state (optimizer, KL controller, replay buffer, counters),
+    the global RNG states and `extra` (anything picklable the caller needs to resume) into `directory`."""
+    from . import __version__
+
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    try:
+        agent.policy.save(tmp)
+        state = {
+            "trainer": agent.trainer.state_dict(),
+            "episode_count": agent.episode_count,
+            "rng": rng_state(),
+            "extra": extra or {},
+        }
+        torch.save(state, tmp / STATE_FILE)
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+        manifest = {
+            "format": FORMAT,
+            "llamagym_version": __version__,
+            "base_model": model_name(agent),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "files": files,
+        }
+        _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=2))
+        _swap_into_place(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def load_checkpoint(agent, directory: str | Path, restore_rng: bool = True) -> dict:
+    """Load a checkpoint written by `save_checkpoint` into `agent`; returns its `extra` dict.
+
+    Raises:
+        CheckpointError: nothing there, a torn or corrupt checkpoint, another base model, or a newer format.
+    """
+    directory = resolve_checkpoint(directory)
+    manifest = read_manifest(directory)
+    if manifest.get("format", 0) > FORMAT:
+        raise CheckpointError(
+            f"{directory} was written by llamagym {manifest.get('llamagym_version')} in checkpoint "
+            f"format {manifest['format']}; this version reads format {FORMAT}. Upgrade llamagym."
+        )
+    expected, actual = manifest.get("base_model"), model_name(agent)
+    if expected != actual:
+        raise CheckpointError(
+            f"{directory} was trained on base model {expected!r}, but this agent uses {actual!r}. "
+            "Load it with the same --model."
+        )
+    for name, size in manifest.get("files", {}).items():
+        path = directory / name
+        if not path.is_file() or path.stat().st_size != size:
+            raise CheckpointError(
+                f"{directory} is damaged: {name} is missing or has the wrong size. "
+                "Delete it to start over, or restore a backup."
+            )
+    try:
+        agent.policy.load(directory)
+        state = torch.load(directory / STATE_FILE, weights_only=False)
+        agent.trainer.load_state_dict(state["trainer"])
+    except (OSError, RuntimeError, ValueError, KeyError, EOFError) as exc:
+        raise CheckpointError(f"{directory} could not be loaded: {exc}") from exc
+    agent.episode_count = state["episode_count"]
+    if restore_rng:
+        set_rng_state(state["rng"])
+    return state["extra"]
+
+
+def read_manifest(directory: Path) -> dict:
+    try:
+        return json.loads((directory / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory} has no {MANIFEST}: it is not a complete llamagym checkpoint.") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{directory}/{MANIFEST} is corrupt ({exc}).") from None
+
+
+def resolve_checkpoint(directory: str | Path) -> Path:
+    """`directory` if it holds a complete checkpoint; after a kill during the swap, the newest complete sibling."""
+    directory = Path(directory)
+    if (directory / MANIFEST).is_file():
+        return directory
+    siblings = [p for p in directory.parent.glob(f".{directory.name}.*-*") if (p / MANIFEST).is_file()]
+    if siblings:
+        return max(siblings, key=lambda p: (p / MANIFEST).stat().st_mtime)
+    if directory.exists():
+        raise CheckpointError(f"{directory} has no {MANIFEST}: it is not a complete llamagym checkpoint.")
+    raise CheckpointError(f"No checkpoint at {directory}.")
+
+
+def model_name(agent) -> str:
+    spec = getattr(agent, "spec", None)
+    if spec is not None and spec.name != "generic":
+        return spec.name
+    return str(getattr(agent.policy.causal_lm().config, "name_or_path", "")) or "unknown"
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _swap_into_place(tmp: Path, directory: Path) -> None:
+    """Replace `directory` by `tmp`: the old one is renamed aside first and removed only after the swap."""
+    old = None
+    if directory.exists():
+        old = directory.with_name(f".{directory.name}.old-{os.getpid()}-{time.time_ns()}")
+        os.replace(directory, old)
+    os.replace(tmp, directory)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,120 @@
+"""Crash-safe checkpoints: atomic swap, recovery after a kill mid-swap, clear errors for torn or foreign ones."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from llamagym import Agent, PPOConfig
+from llamagym.checkpoint import MANIFEST, STATE_FILE, CheckpointError, resolve_checkpoint
+from llamagym.tiny import build_tiny_model
+
+
+class OneStepAgent(Agent):
+    def get_system_prompt(self):
+        return "Go."
+
+    def format_observation(self, observation):
+        return str(observation)
+
+    def extract_action(self, response):
+        return 0
+
+
+@pytest.fixture
+def agent(tokenizer, lora_config):
+    torch.manual_seed(0)
+    agent = OneStepAgent(
+        build_tiny_model(tokenizer),
+        tokenizer,
+        ppo_config=PPOConfig(batch_size=2),
+        lora_config=lora_config,
+        generation_config={"max_new_tokens": 2},
+        sft_warm_start=True,
+    )
+    for episode in range(2):
+        agent.act(episode)
+        agent.assign_reward(1.0)
+        agent.terminate_episode()
+    return agent
+
+
+def fresh(tokenizer, lora_config):
+    return OneStepAgent(
+        build_tiny_model(tokenizer, seed=1),
+        tokenizer,
+        lora_config=lora_config,
+        generation_config={"max_new_tokens": 2},
+        sft_warm_start=True,
+    )
+
+
+def test_round_trip_restores_weights_trainer_replay_counters_rng_and_extra(agent, tokenizer, lora_config, tmp_path):
+    random.seed(7)
+    agent.save(tmp_path / "ckpt", extra={"returns": [1.0, -1.0]})
+    expected = random.random()
+    other = fresh(tokenizer, lora_config)
+    assert other.load(tmp_path / "ckpt") == {"returns": [1.0, -1.0]}
+    assert random.random() == expected  # the RNG continues where it was saved
+    assert other.trainer.num_updates == 1 and len(other.trainer.replay) == len(agent.trainer.replay)
+    for (name, a), b in zip(agent.policy.state_dict().items(), other.policy.state_dict().values(), strict=True):
+        if "lora_" in name or name.startswith("value_head"):
+            assert torch.equal(a, b), name
+    manifest = json.loads((tmp_path / "ckpt" / MANIFEST).read_text())
+    assert manifest["base_model"] and manifest["llamagym_version"] and STATE_FILE in manifest["files"]
+
+
+def test_saving_again_replaces_the_checkpoint_and_leaves_no_temporaries(agent, tmp_path):
+    agent.save(tmp_path / "ckpt")
+    agent.save(tmp_path / "ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_kill_between_the_two_renames_still_finds_a_whole_checkpoint(agent, tmp_path):
+    agent.save(tmp_path / "ckpt")
+    (tmp_path / "ckpt").rename(tmp_path / ".ckpt.old-1-1")  # the old one moved aside, the new one not yet in place
+    assert resolve_checkpoint(tmp_path / "ckpt") == tmp_path / ".ckpt.old-1-1"
+
+
+def test_a_torn_temporary_directory_is_never_taken(agent, tmp_path):
+    agent.save(tmp_path / "ckpt")
+    torn = tmp_path / ".ckpt.tmp-abc"
+    torn.mkdir()
+    (torn / STATE_FILE).write_bytes(b"half")  # no manifest: the write never finished
+    assert resolve_checkpoint(tmp_path / "ckpt") == tmp_path / "ckpt"
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: (d / MANIFEST).unlink(), "not a complete llamagym checkpoint"),
+        (lambda d: (d / MANIFEST).write_text("{"), "corrupt"),
+        (lambda d: (d / STATE_FILE).write_bytes((d / STATE_FILE).read_bytes()[:100]), "damaged: state.pt"),
+        (lambda d: (d / "value_head.safetensors").unlink(), "damaged: value_head.safetensors"),
+    ],
+)
+def test_damaged_checkpoints_fail_with_a_message_that_names_the_problem(
+    agent, tokenizer, lora_config, tmp_path, damage, message
+):
+    agent.save(tmp_path / "ckpt")
+    damage(tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match=message):
+        fresh(tokenizer, lora_config).load(tmp_path / "ckpt")
+
+
+def test_a_checkpoint_of_another_model_or_a_newer_format_is_refused(agent, tokenizer, lora_config, tmp_path):
+    agent.save(tmp_path / "ckpt")
+    manifest_path = tmp_path / "ckpt" / MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({**manifest, "base_model": "phi-2"}))
+    with pytest.raises(CheckpointError, match="phi-2"):
+        fresh(tokenizer, lora_config).load(tmp_path / "ckpt")
+    manifest_path.write_text(json.dumps({**manifest, "format": 99}))
+    with pytest.raises(CheckpointError, match="Upgrade llamagym"):
+        fresh(tokenizer, lora_config).load(tmp_path / "ckpt")
+
+
+def test_missing_checkpoint_says_so(tokenizer, lora_config, tmp_path):
+    with pytest.raises(CheckpointError, match="No checkpoint"):
+        fresh(tokenizer, lora_config).load(tmp_path / "nothing")
