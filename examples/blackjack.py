@@ -1,60 +1,103 @@
 """Teach an LLM to play Blackjack with online RL (PPO on a LoRA adapter), on a laptop CPU.
 
-Smoke run (seconds, tiny random model):  python examples/blackjack.py --model tiny-random --episodes 4 --device cpu
+The agent sees its hand in words and answers "stick" or "hit". By default it scores those two replies (one
+forward pass for all envs) instead of generating free text; `--action-mode generate` samples and parses
+replies the way the original LlamaGym did. Its greedy policy is a table over 280 states, so the run ends with
+the *exact* expected return of that policy (no sampling noise), beside the optimal one.
+
+Smoke run (seconds, tiny random model):  python examples/blackjack.py --model tiny-random --episodes 8 --device cpu
 Sanity run (embedded SmolLM2-135M):     python examples/blackjack.py --episodes 5
-Longer run:                            python examples/blackjack.py --episodes 400 --sft-warm-start --target-kl 0.05
+Full run (see the README's Results):     python examples/blackjack.py --episodes 3000 --seed 0
 """
 
 import argparse
 import json
 import os
 import random
-import re
 import time
 from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
 import torch
-from tqdm import trange
+from tqdm import tqdm
 
 from llamagym import Agent, PPOConfig, ReplayConfig, load_model_and_tokenizer
+from llamagym.blackjack import STATES, exact_return, optimal_policy, policy_table, reference_returns
+from llamagym.evaluation import sampled_return, save_json
+from llamagym.plots import plot_blackjack_policy, plot_learning_curve
 
 
 class BlackjackAgent(Agent):
+    action_names = ["stick", "hit"]  # scoring mode: action i is the reply action_names[i]
+
     def get_system_prompt(self) -> str:
-        return (
-            "You are an expert blackjack player. Each turn you see your hand total, the dealer's visible card and "
-            "whether you hold a usable ace. Reply with one word: hit (take a card) or stick (stop)."
-        )
+        return "You play blackjack. Reply with one word: hit or stick."
 
     def format_observation(self, observation) -> str:
         player_sum, dealer_card, usable_ace = observation
-        ace = "You have a usable ace." if usable_ace else "You have no usable ace."
-        return f"Your hand totals {player_sum}. The dealer shows {dealer_card}. {ace} Hit or stick?"
+        ace = " (with a usable ace)" if usable_ace else ""
+        return f"Your hand totals {player_sum}{ace}. The dealer shows {dealer_card}."
 
     def extract_action(self, response: str):
-        words = re.findall(r"\b(hit|stick|stand|stay|stop)\b|\b([01])\b", response.lower())
-        if not words:
-            return None
-        word, digit = words[0]
-        return int(digit) if digit else (1 if word == "hit" else 0)
+        words = response.lower().replace(".", " ").split()
+        for word in words:
+            if word in ("hit", "1"):
+                return 1
+            if word in ("stick", "stand", "stay", "0"):
+                return 0
+        return None  # no action named: the agent plays `fallback_action` and counts it as invalid
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--episodes", type=int, default=200, help="episodes to play (default: 200)")
+    parser.add_argument("--episodes", type=int, default=3000, help="hands to play (default: 3000)")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="registry name, hub id or local path")
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | mps (default: auto)")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | mps")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=8, help="episodes per PPO update")
-    parser.add_argument("--lr", type=float, default=2e-4, help="learning rate")
-    parser.add_argument("--max-new-tokens", type=int, default=8, help="length of a reply in tokens")
+    parser.add_argument("--num-envs", type=int, default=32, help="envs played at once (one forward pass each step)")
+    parser.add_argument("--lr", type=float, default=3e-4, help="learning rate of the LoRA adapter and value head")
+    parser.add_argument("--batch-size", type=int, default=64, help="episodes per PPO update")
+    parser.add_argument("--mini-batch-size", type=int, default=32, help="turns per optimizer step")
+    parser.add_argument("--ppo-epochs", type=int, default=2)
+    parser.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL to the reference in the reward")
+    parser.add_argument("--ent-coef", type=float, default=0.01, help="entropy bonus (keeps both actions explored)")
+    parser.add_argument("--action-mode", choices=["score", "generate"], default="score")
+    parser.add_argument("--max-new-tokens", type=int, default=8, help="reply length in generate mode")
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
+    parser.add_argument("--sft-warm-start", action="store_true", help="imitate won hands after each update")
     parser.add_argument("--target-kl", type=float, default=None, help="stop an update early past 1.5x this KL")
-    parser.add_argument("--sft-warm-start", action="store_true", help="imitate the best episodes after updates")
-    parser.add_argument("--output-dir", default="runs/blackjack", help="where metrics.jsonl and the adapter go")
-    parser.add_argument("--wandb", action="store_true", help="log to Weights & Biases (or set WANDB_PROJECT)")
+    parser.add_argument("--output-dir", default="runs/blackjack", help="metrics, checkpoint, evaluation, plots")
+    parser.add_argument("--checkpoint-every", type=int, default=5, help="updates between checkpoints")
+    parser.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint")
+    parser.add_argument("--eval-only", action="store_true", help="evaluate (and plot) the checkpoint, no training")
+    parser.add_argument("--eval-episodes", type=int, default=0, help="also play N greedy hands (95%% CI)")
+    parser.add_argument("--wandb", action="store_true", help="log to Weights & Biases (also when WANDB_PROJECT set)")
     return parser.parse_args()
+
+
+def evaluate(agent, args, output_dir, returns, name="eval"):
+    """Exact expected return of the greedy policy, optional sampled check, JSON and both pictures."""
+    table = dict(zip(STATES, agent.predict(STATES), strict=True))  # one batched greedy pass over all 280 states
+    result = {"exact": exact_return(table), "references": reference_returns(), "episodes_trained": len(returns)}
+    if args.eval_episodes:
+        env = gym.make("Blackjack-v1", natural=False, sab=False)
+
+        def play(seed):
+            observation, _ = env.reset(seed=seed)
+            total, done = 0.0, False
+            while not done:
+                observation, reward, terminated, truncated, _ = env.step(table[tuple(int(x) for x in observation)])
+                total, done = total + reward, terminated or truncated
+            return total
+
+        result["sampled"] = sampled_return(play, args.eval_episodes, seed=10**6)
+    save_json(output_dir / f"{name}.json", result)
+    references = {k: v["expected_return"] for k, v in result["references"].items()}
+    if returns:
+        plot_learning_curve(returns, output_dir / "learning_curve.png", references=references)
+    plot_blackjack_policy(policy_table(table), policy_table(optimal_policy()), output_dir / "policy.png")
+    return result
 
 
 def main():
@@ -64,58 +107,116 @@ def main():
     torch.manual_seed(args.seed)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = output_dir / "checkpoint"
 
     run = None
     if args.wandb or os.environ.get("WANDB_PROJECT"):
-        import wandb  # only when asked for
+        import wandb  # only when asked for; WANDB_MODE=offline/disabled is honoured by wandb itself
 
         run = wandb.init(project=os.environ.get("WANDB_PROJECT", "llamagym"), config=vars(args))
 
     model, tokenizer = load_model_and_tokenizer(args.model, device=args.device)
-    ppo_config = PPOConfig(
-        batch_size=args.batch_size,
-        learning_rate=args.lr,
-        seed=args.seed,
-        target_kl=args.target_kl if args.target_kl is not None else 0.05,
-    )
     env = gym.make("Blackjack-v1", natural=False, sab=False)
     agent = BlackjackAgent(
         model,
         tokenizer,
-        ppo_config=ppo_config,
+        ppo_config=PPOConfig(
+            batch_size=args.batch_size,
+            mini_batch_size=args.mini_batch_size,
+            ppo_epochs=args.ppo_epochs,
+            learning_rate=args.lr,
+            gamma=1.0,
+            lam=1.0,  # hands are a few turns long: Monte-Carlo returns
+            kl_coef=args.kl_coef,
+            adaptive_kl=args.kl_coef > 0,
+            ent_coef=args.ent_coef,
+            target_kl=args.target_kl if args.target_kl is not None else 0.05,
+            seed=args.seed,
+        ),
         replay_config=ReplayConfig(min_return=1.0),  # imitate won hands only
         generation_config={"max_new_tokens": args.max_new_tokens},
         sft_warm_start=args.sft_warm_start,
         use_target_kl=args.target_kl is not None,
-        fallback_action=0,  # stick when a reply names no action
+        action_mode=args.action_mode,
+        precision=args.precision,
+        context_turns=0,  # the observation is the whole state: a Markov policy, evaluable exactly
+        fallback_action=0,  # stick when a generated reply names no action
         action_space=env.action_space,
     )
 
-    returns, invalid, start = [], [], time.time()
-    progress = trange(args.episodes, desc="blackjack")
+    returns, invalid, updates, elapsed = [], [], 0, 0.0
+    if args.resume or args.eval_only:
+        if (checkpoint / "manifest.json").exists() or args.resume:
+            state = agent.load(checkpoint)
+            returns, invalid, updates, elapsed = state["returns"], state["invalid"], state["updates"], state["elapsed"]
+            print(f"resumed from {checkpoint}: {len(returns)} episodes, {updates} updates")
+    if args.eval_only:
+        result = evaluate(agent, args, output_dir, returns)
+        print(json.dumps(result["exact"], indent=2))
+        return
+    if not returns:
+        before = evaluate(agent, args, output_dir, returns, name="eval_before")["exact"]["expected_return"]
+        print(f"exact expected return before training: {before:+.4f}")
+
+    # ---- the RL loop: N envs side by side, one batched forward pass per step ----
+    envs = [gym.make("Blackjack-v1", natural=False, sab=False) for _ in range(min(args.num_envs, args.episodes))]
+    next_seed = args.seed * 10**7 + len(returns)
+    observations = []
+    for e in envs:
+        observations.append(e.reset(seed=next_seed)[0])
+        next_seed += 1
+    start = time.time() - elapsed
+    progress = tqdm(total=args.episodes, initial=len(returns), desc="blackjack")
     with open(output_dir / "metrics.jsonl", "a") as metrics:
-        for episode in progress:
-            observation, info = env.reset(seed=args.seed + episode)
-            done = False
-            while not done:
-                action = agent.act(observation)
-                observation, reward, terminated, truncated, info = env.step(action)
-                agent.assign_reward(reward)
-                done = terminated or truncated
-            stats = agent.terminate_episode(truncated=truncated and not terminated, final_observation=observation)
+        while len(returns) < args.episodes:
+            actions = agent.act_batch(observations)
+            results = [e.step(a) for e, a in zip(envs, actions, strict=True)]
+            agent.assign_rewards([r[1] for r in results])
+            dones = [r[2] or r[3] for r in results]
+            for i, done in enumerate(dones):
+                if done:
+                    episode = agent.slots[i].episode
+                    returns.append(sum(t.reward for t in episode.turns))
+                    invalid.append(sum(not t.valid for t in episode.turns) / len(episode.turns))
+            stats = agent.end_episodes(dones, truncated=[r[3] and not r[2] for r in results])
+            for i, done in enumerate(dones):
+                observations[i] = results[i][0]
+                if done:
+                    observations[i] = envs[i].reset(seed=next_seed)[0]
+                    next_seed += 1
+            progress.update(sum(dones))
+            recent = returns[-200:]
+            progress.set_postfix(ret=f"{np.mean(recent):+.3f}", invalid=f"{np.mean(invalid[-200:]):.2f}")
 
-            returns.append(stats["env/return"])
-            stats.update(episode=episode, elapsed_s=time.time() - start)
-            metrics.write(json.dumps(stats) + "\n")
-            if run is not None:
-                run.log(stats)
-            recent = returns[-50:]
-            invalid.append(stats["agent/invalid_action_rate"])
-            progress.set_postfix(ret=f"{sum(recent) / len(recent):+.2f}", invalid=f"{np.mean(invalid[-50:]):.2f}")
+            if "ppo/policy_loss" in stats:
+                updates += 1
+                stats.update(update=updates, episodes=len(returns), elapsed_s=time.time() - start,
+                             running_return=float(np.mean(recent)))
+                metrics.write(json.dumps(stats) + "\n")
+                metrics.flush()
+                if run is not None:
+                    run.log(stats, step=updates)
+                if updates % args.checkpoint_every == 0:
+                    agent.save(checkpoint, extra={"returns": returns, "invalid": invalid, "updates": updates,
+                                                  "elapsed": time.time() - start})
+    progress.close()
+    if agent.batch:  # a last, partial batch (e.g. a 5-episode sanity run) is trained on too
+        agent.train()
+        updates += 1
 
-    agent.save(output_dir / "final")
-    print(f"mean return over the last {min(50, len(returns))} episodes: {np.mean(returns[-50:]):+.3f}")
-    print(f"metrics: {output_dir / 'metrics.jsonl'}  adapter: {output_dir / 'final'}")
+    wall = time.time() - start
+    agent.save(checkpoint, extra={"returns": returns, "invalid": invalid, "updates": updates, "elapsed": wall})
+    result = evaluate(agent, args, output_dir, returns)
+    exact = result["exact"]
+    print(f"episodes {len(returns)}, updates {updates}, wall {wall / 60:.1f} min")
+    print(f"exact expected return of the greedy policy: {exact['expected_return']:+.4f} "
+          f"(win {exact['win']:.1%}, draw {exact['draw']:.1%}, loss {exact['loss']:.1%})")
+    for name, ref in result["references"].items():
+        print(f"  reference {name:>15}: {ref['expected_return']:+.4f}")
+    print(f"outputs in {output_dir}: metrics.jsonl, eval.json, learning_curve.png, policy.png, checkpoint/")
+    if run is not None:
+        run.log({"eval/exact_return": exact["expected_return"]})
+        run.finish()
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ def save_checkpoint(agent, directory: str | Path, extra: dict | None = None) -> 
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint is an ordinary folder
     try:
         agent.policy.save(tmp)
         state = {

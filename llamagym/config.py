@@ -42,7 +42,8 @@ class PPOConfig:
 
     learning_rate: float = 2e-4  # AdamW step size for the LoRA adapter and the value head
     batch_size: int = 8  # episodes collected before each PPO update
-    mini_batch_size: int = 8  # turns per optimizer step (small keeps the logits' memory low)
+    mini_batch_size: int = 8  # turns per optimizer step
+    micro_batch_size: int | None = 8  # turns per forward/backward within a step (bounds memory); None = all
     ppo_epochs: int = 2  # passes over the batch per update
     gamma: float = 1.0  # discount across the turns of an episode
     lam: float = 0.95  # GAE lambda (1 = Monte-Carlo return, 0 = one-step TD)
@@ -73,6 +74,7 @@ class PPOConfig:
                 "learning_rate": positive,
                 "batch_size": count,
                 "mini_batch_size": count,
+                "micro_batch_size": (lambda v: v is None or (_int(v) and v >= 1), "None or an integer >= 1"),
                 "ppo_epochs": count,
                 "gamma": unit,
                 "lam": unit,

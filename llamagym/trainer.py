@@ -9,7 +9,8 @@ What one action, one reward and one value are (DESIGN.md §3):
 
 Two KLs, never mixed up: `kl_ref` (policy vs reference, in the reward, adaptive coefficient) and `approx_kl`
 (new vs old policy within an update, for target-KL early stopping, checked before each optimizer step).
-The backward pass and the optimizer step live in `_optimize` alone, so data-parallel training stays a small step.
+The backward pass and the optimizer step live in `_backward`/`_step` alone, so data-parallel training stays a
+small step.
 """
 
 from __future__ import annotations
@@ -71,8 +72,11 @@ class PPOTrainer:
 
         # 1. old log-probs and values, reference log-probs (no grad, dropout off)
         old_logprobs, old_values = self._score(batch, plans[0], reference=False)
-        with self.policy.reference():
-            ref_logprobs, _ = self._score(batch, plans[0], reference=True)
+        if self.kl_controller.value == 0 and not cfg.adaptive_kl:
+            ref_logprobs = old_logprobs  # the KL term is off: skip the reference forward pass
+        else:
+            with self.policy.reference():
+                ref_logprobs, _ = self._score(batch, plans[0], reference=True)
 
         # 2. per-turn rewards: env reward minus the KL penalty to the reference
         kl_ref = (ppo.kl_penalty(old_logprobs, ref_logprobs, cfg.kl_estimator) * mask).sum(dim=-1)
@@ -84,36 +88,22 @@ class PPOTrainer:
         if cfg.whiten_advantages and len(turns) >= 2:
             advantages = ppo.masked_whiten(advantages, torch.ones_like(advantages))
 
-        # 4. epochs x minibatches, with target-KL early stopping before each optimizer step
+        # 4. epochs x minibatches (each accumulated over micro-batches), target-KL check before each step
         stats: dict[str, list[float]] = defaultdict(list)
         early_stopped, done = False, 0
         for plan in plans:
             for index in plan:
-                mb_logprobs, mb_mask, mb_values, mb_entropy = self._evaluate(select(batch, index), with_entropy=True)
-                mb_old_logprobs = old_logprobs[index, : mb_logprobs.shape[1]]
-                mb_approx_kl = ppo.approx_kl(mb_logprobs, mb_old_logprobs, mb_mask)
-                if cfg.use_target_kl and ppo.kl_exceeded(float(mb_approx_kl.detach()), cfg.target_kl):
+                mb = self._minibatch_loss(batch, index, old_logprobs, old_values, advantages, returns)
+                if mb is None:  # a non-finite loss: nothing was applied, the step is skipped
+                    continue
+                if cfg.use_target_kl and ppo.kl_exceeded(mb["ppo/approx_kl"], cfg.target_kl):
+                    self.optimizer.zero_grad(set_to_none=True)
                     early_stopped = True
                     break
-                mb_advantages = advantages[index].unsqueeze(-1).expand_as(mb_old_logprobs)
-                pg_loss, clipfrac = ppo.policy_loss(mb_logprobs, mb_old_logprobs, mb_advantages, mb_mask, cfg.clip_coef)
-                v_loss, v_clipfrac = ppo.value_loss(
-                    mb_values, old_values[index], returns[index], torch.ones_like(mb_values), cfg.vf_clip_coef
-                )
-                entropy = ppo.masked_mean(mb_entropy, mb_mask)
-                loss = pg_loss + cfg.vf_coef * v_loss - cfg.ent_coef * entropy
-                self._optimize(loss, stats)
+                self._step(stats)
                 done += 1
-                for key, value in (
-                    ("ppo/policy_loss", pg_loss),
-                    ("ppo/value_loss", v_loss),
-                    ("ppo/entropy", entropy),
-                    ("ppo/approx_kl", mb_approx_kl),
-                    ("ppo/clipfrac", clipfrac),
-                    ("ppo/value_clipfrac", v_clipfrac),
-                    ("ppo/loss", loss),
-                ):
-                    stats[key].append(float(value.detach()))
+                for key, value in mb.items():
+                    stats[key].append(value)
             if early_stopped:
                 break
 
@@ -162,16 +152,57 @@ class PPOTrainer:
         out = self.policy(*batch, reference=reference, with_entropy=with_entropy)
         return out.logprobs, batch.response_mask, out.values, out.entropy
 
+    def _micro(self, index: torch.Tensor) -> list[torch.Tensor]:
+        """A minibatch's rows in micro-batches: forward/backward memory is bounded by `micro_batch_size`."""
+        size = self.config.micro_batch_size or len(index)
+        return list(index.split(size))
+
     @torch.no_grad()
     def _score(self, batch: TurnBatch | ScoreBatch, plan: list[torch.Tensor], reference: bool):
-        """Log-probs (N, T) and values (N,) of the whole batch, computed minibatch by minibatch as in `plan`."""
+        """Log-probs (N, T) and values (N,) of the whole batch, computed micro-batch by micro-batch as the first
+        epoch will (so the first minibatch's ratio is exactly 1)."""
         logprobs = torch.zeros_like(_action_mask(batch))
         values = torch.zeros(batch.input_ids.shape[0], device=logprobs.device)
-        for index in plan:
-            mb_logprobs, _, mb_values, _ = self._evaluate(select(batch, index), reference=reference)
-            logprobs[index, : mb_logprobs.shape[1]] = mb_logprobs
-            values[index] = mb_values
+        for part in (part for index in plan for part in self._micro(index)):
+            mb_logprobs, _, mb_values, _ = self._evaluate(select(batch, part), reference=reference)
+            logprobs[part, : mb_logprobs.shape[1]] = mb_logprobs
+            values[part] = mb_values
         return logprobs, values
+
+    def _minibatch_loss(self, batch, index, old_logprobs, old_values, advantages, returns) -> dict | None:
+        """Forward and backward one minibatch in micro-batches (gradients accumulate); returns its stats.
+
+        Token means are weighted by each micro-batch's share of the minibatch's tokens (turn means by rows), so
+        the accumulated gradient equals that of the whole minibatch at once.
+        """
+        cfg, mask = self.config, _action_mask(batch)
+        total_tokens, total_rows = mask[index].sum(), len(index)
+        sums: dict[str, float] = defaultdict(float)
+        for part in self._micro(index):
+            logprobs, part_mask, values, entropy = self._evaluate(select(batch, part), with_entropy=True)
+            old = old_logprobs[part, : logprobs.shape[1]]
+            token_share, row_share = part_mask.sum() / total_tokens, len(part) / total_rows
+            part_advantages = advantages[part].unsqueeze(-1).expand_as(old)
+            pg_loss, clipfrac = ppo.policy_loss(logprobs, old, part_advantages, part_mask, cfg.clip_coef)
+            v_loss, v_clipfrac = ppo.value_loss(
+                values, old_values[part], returns[part], torch.ones_like(values), cfg.vf_clip_coef
+            )
+            entropy = ppo.masked_mean(entropy, part_mask)
+            approx_kl = ppo.approx_kl(logprobs, old, part_mask)
+            loss = (pg_loss - cfg.ent_coef * entropy) * token_share + cfg.vf_coef * v_loss * row_share
+            if not self._backward(loss):
+                return None
+            for key, value, share in (
+                ("ppo/policy_loss", pg_loss, token_share),
+                ("ppo/value_loss", v_loss, row_share),
+                ("ppo/entropy", entropy, token_share),
+                ("ppo/approx_kl", approx_kl, token_share),
+                ("ppo/clipfrac", clipfrac, token_share),
+                ("ppo/value_clipfrac", v_clipfrac, row_share),
+                ("ppo/loss", loss, 1.0),
+            ):
+                sums[key] += float(value.detach() * share)
+        return dict(sums)
 
     @torch.no_grad()
     def _advantages(self, episodes: list[Episode], rewards: torch.Tensor, values: torch.Tensor):
@@ -205,12 +236,16 @@ class PPOTrainer:
             offset += n
         return advantages, returns
 
-    def _optimize(self, loss: torch.Tensor, stats: dict[str, list[float]]) -> bool:
-        """Backward, clip, step. A non-finite loss or gradient skips the step and leaves the weights as they were."""
-        self.optimizer.zero_grad(set_to_none=True)
+    def _backward(self, loss: torch.Tensor) -> bool:
+        """Accumulate the gradient of `loss`; a non-finite loss clears the accumulated gradients instead."""
         if not torch.isfinite(loss):
+            self.optimizer.zero_grad(set_to_none=True)
             return self._skip(f"non-finite loss {float(loss)}")
         loss.backward()
+        return True
+
+    def _step(self, stats: dict[str, list[float]]) -> bool:
+        """Clip and apply the accumulated gradient; a non-finite gradient skips the step, weights unchanged."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), self.config.max_grad_norm)
         if not torch.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
@@ -238,7 +273,7 @@ class PPOTrainer:
             batch = collate(turns, self.pad_token_id, self.policy.device)
             out = self.policy(batch.input_ids, batch.attention_mask, batch.response_mask)
             loss = sft_loss(out.logprobs, batch.response_mask)
-            if self._optimize(cfg.sft_coef * loss, sft_stats):
+            if self._backward(cfg.sft_coef * loss) and self._step(sft_stats):
                 losses.append(float(loss))
         stats = {"sft/buffer_size": float(len(self.replay)), "sft/added": float(added)}
         if losses:

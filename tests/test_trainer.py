@@ -126,3 +126,21 @@ def test_state_dict_round_trip_restores_counters_and_controller(model, lora_conf
     other.load_state_dict(state)
     assert other.num_updates == 1 and other.kl_controller.value == trainer.kl_controller.value
     assert torch.equal(other.generator.get_state(), trainer.generator.get_state())
+
+
+def test_micro_batches_accumulate_to_the_same_update_as_one_minibatch(tokenizer, lora_config):
+    from llamagym.tiny import build_tiny_model
+
+    results = []
+    for micro in (None, 1):
+        torch.manual_seed(0)
+        trainer = PPOTrainer(Policy(build_tiny_model(tokenizer), lora_config),
+                             PPOConfig(mini_batch_size=6, micro_batch_size=micro, ppo_epochs=1, learning_rate=1e-2),
+                             tokenizer.pad_token_id)
+        stats = trainer.step(make_episodes())
+        results.append((stats, [p.detach().clone() for p in trainer.policy.trainable_parameters()]))
+    (whole, whole_params), (micro, micro_params) = results
+    for key in ("ppo/policy_loss", "ppo/value_loss", "ppo/approx_kl", "ppo/grad_norm"):
+        assert whole[key] == pytest.approx(micro[key], rel=1e-4, abs=1e-6), key
+    for a, b in zip(whole_params, micro_params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
