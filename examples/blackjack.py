@@ -8,6 +8,8 @@ the *exact* expected return of that policy (no sampling noise), beside the optim
 Smoke run (seconds, tiny random model):  python examples/blackjack.py --model tiny-random --episodes 8 --device cpu
 Sanity run (embedded SmolLM2-135M):     python examples/blackjack.py --episodes 5
 Full run (see the README's Results):     python examples/blackjack.py --episodes 3000 --seed 0
+Continue a stopped or killed run:        python examples/blackjack.py --episodes 3000 --seed 0 --resume
+(checkpoints hold the envs mid-hand and the agent's running episodes: the resumed run matches an uninterrupted one)
 """
 
 import argparse
@@ -32,12 +34,14 @@ class BlackjackAgent(Agent):
     action_names = ["stick", "hit"]  # scoring mode: action i is the reply action_names[i]
 
     def get_system_prompt(self) -> str:
-        return "You play blackjack. Reply with one word: hit or stick."
+        # Short prompts are cheap, and this wording gives "hit" about 25% prior probability (the model's prior
+        # under "Reply with one word: hit or stick" is 4%, too little for PPO to ever see a hit pay off).
+        return "Blackjack. Answer hit or stick."
 
     def format_observation(self, observation) -> str:
         player_sum, dealer_card, usable_ace = observation
-        ace = " (with a usable ace)" if usable_ace else ""
-        return f"Your hand totals {player_sum}{ace}. The dealer shows {dealer_card}."
+        ace = " (usable ace)" if usable_ace else ""
+        return f"Total {player_sum}{ace}, dealer {dealer_card}. Hit or stick?"
 
     def extract_action(self, response: str):
         words = response.lower().replace(".", " ").split()
@@ -69,7 +73,8 @@ def parse_args():
     parser.add_argument("--target-kl", type=float, default=None, help="stop an update early past 1.5x this KL")
     parser.add_argument("--output-dir", default="runs/blackjack", help="metrics, checkpoint, evaluation, plots")
     parser.add_argument("--checkpoint-every", type=int, default=5, help="updates between checkpoints")
-    parser.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint")
+    parser.add_argument("--resume", action="store_true", help="continue exactly from OUTPUT_DIR/checkpoint")
+    parser.add_argument("--max-updates", type=int, default=0, help="stop (checkpointed) after N updates; 0 = no limit")
     parser.add_argument("--eval-only", action="store_true", help="evaluate (and plot) the checkpoint, no training")
     parser.add_argument("--eval-episodes", type=int, default=0, help="also play N greedy hands (95%% CI)")
     parser.add_argument("--wandb", action="store_true", help="log to Weights & Biases (also when WANDB_PROJECT set)")
@@ -144,7 +149,7 @@ def main():
         action_space=env.action_space,
     )
 
-    returns, invalid, updates, elapsed = [], [], 0, 0.0
+    returns, invalid, updates, elapsed, state = [], [], 0, 0.0, {}
     if args.resume or args.eval_only:
         if (checkpoint / "manifest.json").exists() or args.resume:
             state = agent.load(checkpoint)
@@ -159,15 +164,36 @@ def main():
         print(f"exact expected return before training: {before:+.4f}")
 
     # ---- the RL loop: N envs side by side, one batched forward pass per step ----
-    envs = [gym.make("Blackjack-v1", natural=False, sab=False) for _ in range(min(args.num_envs, args.episodes))]
-    next_seed = args.seed * 10**7 + len(returns)
-    observations = []
-    for e in envs:
-        observations.append(e.reset(seed=next_seed)[0])
-        next_seed += 1
+    if "envs" in state:  # exact resume: the envs mid-hand (with their RNGs), as the agent's running episodes left them
+        envs, observations, next_seed = state["envs"], state["observations"], state["next_seed"]
+    else:
+        agent.abort_episodes([True] * len(agent.slots))  # no envs to continue them with (a fresh run: a no-op)
+        envs = [gym.make("Blackjack-v1", natural=False, sab=False) for _ in range(min(args.num_envs, args.episodes))]
+        next_seed = args.seed * 10**7 + len(returns)
+        observations = []
+        for e in envs:
+            observations.append(e.reset(seed=next_seed)[0])
+            next_seed += 1
     start = time.time() - elapsed
-    progress = tqdm(total=args.episodes, initial=len(returns), desc="blackjack")
-    with open(output_dir / "metrics.jsonl", "a") as metrics:
+
+    def resume_state():  # besides the agent's own state, all the loop needs to continue exactly where it is
+        return {
+            "returns": returns,
+            "invalid": invalid,
+            "updates": updates,
+            "elapsed": time.time() - start,
+            "envs": envs,
+            "observations": observations,
+            "next_seed": next_seed,
+        }
+
+    # keep one metrics line per checkpointed update: lines logged after the checkpoint (a run killed before the
+    # next one) are dropped, as those updates run again
+    metrics_path = output_dir / "metrics.jsonl"
+    kept = metrics_path.read_text().splitlines()[:updates] if metrics_path.exists() else []
+    metrics_path.write_text("".join(line + "\n" for line in kept))
+    progress, stopped = tqdm(total=args.episodes, initial=len(returns), desc="blackjack"), False
+    with open(metrics_path, "a") as metrics:
         while len(returns) < args.episodes:
             actions = agent.act_batch(observations)
             results = [e.step(a) for e, a in zip(envs, actions, strict=True)]
@@ -190,27 +216,41 @@ def main():
 
             if "ppo/policy_loss" in stats:
                 updates += 1
-                stats.update(update=updates, episodes=len(returns), elapsed_s=time.time() - start,
-                             running_return=float(np.mean(recent)))
+                stats.update(
+                    update=updates,
+                    episodes=len(returns),
+                    elapsed_s=time.time() - start,
+                    running_return=float(np.mean(recent)),
+                )
                 metrics.write(json.dumps(stats) + "\n")
                 metrics.flush()
                 if run is not None:
                     run.log(stats, step=updates)
-                if updates % args.checkpoint_every == 0:
-                    agent.save(checkpoint, extra={"returns": returns, "invalid": invalid, "updates": updates,
-                                                  "elapsed": time.time() - start})
+                # checkpoint here, after the resets: envs, observations and running episodes agree
+                stopped = 0 < args.max_updates <= updates
+                if updates % args.checkpoint_every == 0 or stopped:
+                    agent.save(checkpoint, extra=resume_state())
+                if stopped:
+                    break
     progress.close()
+    if stopped:
+        print(f"stopped after {updates} updates ({len(returns)} episodes); continue with --resume")
+        if run is not None:
+            run.finish()
+        return
     if agent.batch:  # a last, partial batch (e.g. a 5-episode sanity run) is trained on too
         agent.train()
         updates += 1
 
     wall = time.time() - start
-    agent.save(checkpoint, extra={"returns": returns, "invalid": invalid, "updates": updates, "elapsed": wall})
+    agent.save(checkpoint, extra=resume_state())
     result = evaluate(agent, args, output_dir, returns)
     exact = result["exact"]
     print(f"episodes {len(returns)}, updates {updates}, wall {wall / 60:.1f} min")
-    print(f"exact expected return of the greedy policy: {exact['expected_return']:+.4f} "
-          f"(win {exact['win']:.1%}, draw {exact['draw']:.1%}, loss {exact['loss']:.1%})")
+    print(
+        f"exact expected return of the greedy policy: {exact['expected_return']:+.4f} "
+        f"(win {exact['win']:.1%}, draw {exact['draw']:.1%}, loss {exact['loss']:.1%})"
+    )
     for name, ref in result["references"].items():
         print(f"  reference {name:>15}: {ref['expected_return']:+.4f}")
     print(f"outputs in {output_dir}: metrics.jsonl, eval.json, learning_curve.png, policy.png, checkpoint/")

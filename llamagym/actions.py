@@ -74,17 +74,22 @@ def parse_action(
             candidates.append(lambda: value)
     candidates.append(lambda: extract_action(response))
 
-    error = None
+    errors = []
     for candidate in candidates:
         try:
             action = candidate()
         except Exception as exc:  # a user hook may raise anything; the loop must go on
-            error = f"extract_action raised {type(exc).__name__}: {exc}"
+            errors.append(f"extract_action raised {type(exc).__name__}: {exc}")
             continue
         if action is None:
-            error = "extract_action returned None"
+            errors.append("extract_action returned None")
         elif not _in_space(action, action_space):
-            error = f"action {action!r} is not in the action space {action_space}"
+            errors.append(f"action {_short(action)} is not in the action space {action_space}")
         else:
             return ParsedAction(action, True, None)
-    return ParsedAction(fallback_action, False, error)
+    return ParsedAction(fallback_action, False, "; ".join(errors))
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

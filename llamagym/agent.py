@@ -12,7 +12,6 @@ import logging
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -28,6 +27,7 @@ from .devices import resolve_device
 from .policy import Policy
 from .registry import find_model_spec
 from .rollout import Episode, Turn, unbatch
+from .slots import Slot
 from .trainer import PPOTrainer
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,8 @@ class Agent(ABC):
         full_finetune: train every weight instead of a LoRA adapter (keeps a frozen reference copy).
         sft_warm_start: keep the best episodes and imitate them after each PPO update.
         use_target_kl: overrides `ppo_config.use_target_kl` (early-stop updates past 1.5 x target_kl).
-        max_prompt_tokens: token budget of one prompt; older exchanges are dropped to fit it.
+        max_prompt_tokens: token budget of one prompt; older exchanges are dropped to fit it. The system prompt
+            alone must fit: it is checked here, so `get_system_prompt` must work once `__init__` is called.
         context_turns: how many past exchanges a prompt keeps (None = as many as fit; 0 = only the current
             observation, a Markov policy when the observation is the whole state, e.g. Blackjack).
         fallback_action: the action used when a reply cannot be parsed. Set it to a valid action of your env.
@@ -100,6 +101,12 @@ class Agent(ABC):
         )
         system_role = False if (self.spec is not None and not self.spec.system_role) else None
         self.formatter = ChatFormatter(tokenizer, max_prompt_tokens, system_role, context_turns)
+        system_tokens = len(self.formatter.encode(self.formatter.messages(self.get_system_prompt(), [_EMPTY_USER])))
+        if system_tokens > max_prompt_tokens:
+            raise ValueError(
+                f"The system prompt alone takes {system_tokens} tokens with the chat template, more than "
+                f"`max_prompt_tokens`={max_prompt_tokens}. Raise max_prompt_tokens or shorten get_system_prompt()."
+            )
         self.policy = Policy(model, lora_config=lora_config, full_finetune=full_finetune, precision=precision)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = _eos_ids(tokenizer, model)
@@ -114,7 +121,7 @@ class Agent(ABC):
         self.greedy = False
         self.batch: list[Episode] = []
         self.episode_count = 0
-        self.slots: list[_Slot] = []
+        self.slots: list[Slot] = []
         self._ensure_slots(1)  # slot 0 is the single-env loop's
 
     # ---- the three hooks (and one optional) --------------------------------------------------------------------
@@ -143,7 +150,11 @@ class Agent(ABC):
 
     # ---- the loop API: one env ---------------------------------------------------------------------------------
     def act(self, observation):
-        """Reply to `observation` with the current policy and return the env action it names."""
+        """Reply to `observation` with the current policy and return the env action it names.
+
+        Each call records a turn. Calling `act` again without `assign_reward` in between is allowed: that turn's
+        reward stays 0 (minus any format penalty), as for an env step that pays nothing.
+        """
         return self.act_batch([observation])[0]
 
     def assign_reward(self, reward: float) -> None:
@@ -160,6 +171,13 @@ class Agent(ABC):
         """
         dones = [True] + [False] * (len(self.slots) - 1)
         return self.end_episodes(dones, truncated=[truncated] + dones[1:], final_observations=[final_observation])
+
+    def abort_episode(self) -> None:
+        """Discard the running episode, e.g. after `env.step` raised: none of its turns is trained on.
+
+        The agent is then consistent and ready for a new episode: reset the env and `act` on its first observation.
+        """
+        self.abort_episodes([True])
 
     # ---- the loop API: many envs at once -----------------------------------------------------------------------
     def act_batch(self, observations, active=None, space=None) -> list:
@@ -185,11 +203,23 @@ class Agent(ABC):
         for i, slot, d in zip(index, slots, decisions, strict=True):
             # Only now, with nothing left that can fail, is the turn recorded.
             slot.history = [*d.history, {"role": "assistant", "content": d.reply}]
-            reward = 0.0 if d.parsed.valid else -self.format_penalty
+            reward = -self.format_penalty if not d.parsed.valid and self.format_penalty else 0.0
             slot.episode.turns.append(Turn(d.prompt, d.reply_ids, reward, d.parsed.valid, d.candidates, d.choice))
             slot.last_reply = d.reply
             actions[i] = d.parsed.action
         return actions
+
+    def abort_episodes(self, mask) -> int:
+        """Discard the running episodes of the slots where `mask` is true (see `abort_episode`).
+
+        Returns how many of them had recorded turns (the ones whose data was thrown away).
+        """
+        discarded = 0
+        for i, abort in enumerate(mask):
+            if abort and i < len(self.slots):
+                discarded += bool(self.slots[i].episode.turns)
+                self.slots[i] = self._new_slot()
+        return discarded
 
     def predict(self, observations, greedy: bool = True) -> list:
         """Actions for observations seen afresh (no conversation history), recording nothing: for evaluation."""
@@ -327,12 +357,16 @@ class Agent(ABC):
     # ---- persistence -----------------------------------------------------------------------------------------
     def save(self, directory: str | Path, extra: dict | None = None) -> Path:
         """Write a crash-safe checkpoint: adapter, value head, optimizer, KL controller, replay buffer, counters,
-        RNG states and `extra` (see `llamagym.checkpoint`)."""
+        running and untrained episodes, RNG states and `extra` (see `llamagym.checkpoint`)."""
         return save_checkpoint(self, directory, extra)
 
-    def load(self, directory: str | Path, restore_rng: bool = True) -> dict:
-        """Resume from a checkpoint written by `save` (same base model); returns its `extra` dict."""
-        return load_checkpoint(self, directory, restore_rng)
+    def load(self, directory: str | Path, restore_rng: bool = True, restore_episodes: bool = True) -> dict:
+        """Resume from a checkpoint written by `save` (same base model); returns its `extra` dict.
+
+        With `restore_episodes` the running episodes continue where they were (restore your envs too, e.g.
+        from `extra`); without it they are discarded. Finished, untrained episodes are restored either way.
+        """
+        return load_checkpoint(self, directory, restore_rng, restore_episodes)
 
     # ---- internals -------------------------------------------------------------------------------------------
     def _decide(self, observations: list, histories: list, wheres: list[str], greedy: bool) -> list[_Decision]:
@@ -342,11 +376,13 @@ class Agent(ABC):
         system_prompt = self.get_system_prompt()
         messages, prompts, candidates = [], [], []
         for observation, history, where in zip(observations, histories, wheres, strict=True):
+            hook = "format_observation"
             try:
                 message = {"role": "user", "content": str(self.format_observation(observation))}
+                hook = "action_candidates"
                 texts = self.action_candidates(observation) if self.action_mode != "generate" else None
-            except Exception as exc:
-                raise RuntimeError(f"a hook failed in {where}: {exc}") from exc
+            except Exception as exc:  # a user hook may raise anything: name it, and where, and record nothing
+                raise RuntimeError(f"{hook}() raised {type(exc).__name__}: {exc} in {where}") from exc
             if texts is not None and not texts:
                 raise ValueError(f"action_candidates returned no candidates in {where}.")
             if texts is None and self.action_mode == "score":
@@ -355,7 +391,10 @@ class Agent(ABC):
                     "return the list of valid replies, or set action_names."
                 )
             messages.append([*history, message])
-            prompts.append(self.formatter.prompt_ids(system_prompt, messages[-1])[0])
+            try:
+                prompts.append(self.formatter.prompt_ids(system_prompt, messages[-1])[0])
+            except ValueError as exc:  # over the token budget: say where
+                raise ValueError(f"{where}: {exc}") from None
             candidates.append(texts)
         scoring = candidates[0] is not None
         if any((texts is not None) != scoring for texts in candidates):
@@ -382,15 +421,15 @@ class Agent(ABC):
             )
         return decisions
 
-    def _new_slot(self) -> _Slot:
+    def _new_slot(self) -> Slot:
         self.episode_count += 1
-        return _Slot(Episode(), [], self.episode_count - 1)
+        return Slot(Episode(), [], self.episode_count - 1)
 
     def _ensure_slots(self, n: int) -> None:
         while len(self.slots) < n:
             self.slots.append(self._new_slot())
 
-    def _slot(self, i: int) -> _Slot:
+    def _slot(self, i: int) -> Slot:
         if i >= len(self.slots):
             raise RuntimeError(f"env slot {i} has not acted yet; call act_batch() with its observation first.")
         return self.slots[i]
@@ -426,17 +465,7 @@ class Agent(ABC):
         return settings
 
 
-@dataclass
-class _Slot:
-    """One env's running episode: its turns, its conversation and its number (for error messages)."""
-
-    episode: Episode
-    history: list[Message]
-    number: int
-    last_reply: str = ""
-
-    def where(self, offset: int = 0) -> str:
-        return f"episode {self.number}, turn {len(self.episode.turns) + offset}"
+_EMPTY_USER: Message = {"role": "user", "content": ""}
 
 
 class _Decision(NamedTuple):

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .slots import episodes_state, load_episodes_state
+
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
 FORMAT = 1  # bump when a checkpoint written by this version can no longer be read by older ones
@@ -40,18 +42,20 @@ def set_rng_state(state: dict) -> None:
 
 def save_checkpoint(agent, directory: str | Path, extra: dict | None = None) -> Path:
     """Write the agent's adapter, value head, trainer state (optimizer, KL controller, replay buffer, counters),
-    the global RNG states and `extra` (anything picklable the caller needs to resume) into `directory`."""
+    its running episodes and the finished ones not yet trained on, the global RNG states and `extra` (anything
+    picklable the caller needs to resume, e.g. the envs and their observations) into `directory`."""
     from . import __version__
 
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-{os.getpid()}-", dir=directory.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint is an ordinary folder
     try:
         agent.policy.save(tmp)
         state = {
             "trainer": agent.trainer.state_dict(),
             "episode_count": agent.episode_count,
+            "episodes": episodes_state(agent.slots, agent.batch),
             "rng": rng_state(),
             "extra": extra or {},
         }
@@ -72,8 +76,11 @@ def save_checkpoint(agent, directory: str | Path, extra: dict | None = None) -> 
     return directory
 
 
-def load_checkpoint(agent, directory: str | Path, restore_rng: bool = True) -> dict:
+def load_checkpoint(agent, directory: str | Path, restore_rng: bool = True, restore_episodes: bool = True) -> dict:
     """Load a checkpoint written by `save_checkpoint` into `agent`; returns its `extra` dict.
+
+    `restore_episodes` continues the running episodes (the caller restores its envs); without it they are dropped
+    and fresh ones start. The finished, untrained episodes come back either way.
 
     Raises:
         CheckpointError: nothing there, a torn or corrupt checkpoint, another base model, or a newer format.
@@ -105,6 +112,13 @@ def load_checkpoint(agent, directory: str | Path, restore_rng: bool = True) -> d
     except (OSError, RuntimeError, ValueError, KeyError, EOFError) as exc:
         raise CheckpointError(f"{directory} could not be loaded: {exc}") from exc
     agent.episode_count = state["episode_count"]
+    if "episodes" in state:  # absent in checkpoints of llamagym <= 0.2.0
+        slots, agent.batch = load_episodes_state(state["episodes"])
+        if restore_episodes:
+            agent.slots = slots
+        else:
+            agent.slots = []
+            agent._ensure_slots(1)
     if restore_rng:
         set_rng_state(state["rng"])
     return state["extra"]
@@ -155,3 +169,25 @@ def _swap_into_place(tmp: Path, directory: Path) -> None:
     os.replace(tmp, directory)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+    for stale in directory.parent.glob(f".{directory.name}.*-*"):  # left by a writer killed mid-save
+        if not _writer_alive(stale.name):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _writer_alive(name: str) -> bool:
+    """Whether the process that named a temporary `.<name>.tmp-<pid>-...` / `.<name>.old-<pid>-...` may still run."""
+    try:
+        pid = int(name.rsplit(".", 1)[-1].split("-")[1])
+    except (IndexError, ValueError):
+        return True  # not named by us: leave it
+    if pid == os.getpid():
+        return False
+    if os.name != "posix":
+        return True  # os.kill(pid, 0) is no probe on Windows (signal 0 is CTRL_C_EVENT there)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        pass
+    return True

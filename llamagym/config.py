@@ -42,7 +42,7 @@ class PPOConfig:
 
     learning_rate: float = 2e-4  # AdamW step size for the LoRA adapter and the value head
     batch_size: int = 8  # episodes collected before each PPO update
-    mini_batch_size: int = 8  # turns per optimizer step
+    mini_batch_size: int = 8  # turns per optimizer step (more than a batch holds = one full-batch step an epoch)
     micro_batch_size: int | None = 8  # turns per forward/backward within a step (bounds memory); None = all
     ppo_epochs: int = 2  # passes over the batch per update
     gamma: float = 1.0  # discount across the turns of an episode
@@ -62,6 +62,7 @@ class PPOConfig:
     target_kl: float = 0.05  # approx_kl (new vs old policy) limit for early stopping
     weight_decay: float = 0.0  # AdamW weight decay
     seed: int = 0  # seed of the minibatch shuffles and replay sampling
+    max_skipped_updates: int = 10  # optimizer steps skipped in a row (non-finite loss/gradient) before the run stops
 
     def __post_init__(self) -> None:
         positive = (lambda v: _num(v) and v > 0, "a number > 0")
@@ -93,6 +94,7 @@ class PPOConfig:
                 "target_kl": non_negative,
                 "weight_decay": non_negative,
                 "seed": (_int, "an integer"),
+                "max_skipped_updates": count,
             },
         )
 

@@ -54,7 +54,9 @@ class PPOTrainer:
         self.replay = SFTReplayBuffer(replay_config) if replay_config is not None else None
         self.generator = torch.Generator().manual_seed(config.seed)
         self.num_updates = 0
-        self.skipped_updates = 0
+        self.skipped_updates = 0  # all skipped optimizer steps (reported as ppo/skipped_updates)
+        self.consecutive_skips = 0  # skipped since the last applied step; the run stops at max_skipped_updates
+        self._batch_summary = ""  # the current batch's reward/advantage/KL range, for the skip warning
 
     # ---- one update ------------------------------------------------------------------------------------------
     def step(self, episodes: list[Episode]) -> dict[str, float]:
@@ -87,6 +89,10 @@ class PPOTrainer:
         advantages, returns = self._advantages(episodes, rewards, old_values)
         if cfg.whiten_advantages and len(turns) >= 2:
             advantages = ppo.masked_whiten(advantages, torch.ones_like(advantages))
+        self._batch_summary = (
+            f"batch of {len(turns)} turns: mean reward {float(env_rewards.mean()):.4g}, advantages in "
+            f"[{float(advantages.min()):.4g}, {float(advantages.max()):.4g}], kl/ref {float(kl_ref.mean()):.4g}"
+        )
 
         # 4. epochs x minibatches (each accumulated over micro-batches), target-KL check before each step
         stats: dict[str, list[float]] = defaultdict(list)
@@ -252,13 +258,28 @@ class PPOTrainer:
             return self._skip(f"non-finite gradient norm {float(grad_norm)}")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.consecutive_skips = 0
         stats["ppo/grad_norm"].append(float(grad_norm))
         return True
 
     def _skip(self, why: str) -> bool:
+        """Count a skipped step; the first one warns with the batch's stats, too many in a row stop the run.
+
+        Raises:
+            RuntimeError: `max_skipped_updates` steps in a row were skipped: training has diverged or the data is bad.
+        """
         self.skipped_updates += 1
+        self.consecutive_skips += 1
         if self.skipped_updates == 1:
-            logger.warning("skipped an optimizer step: %s (counted in ppo/skipped_updates)", why)
+            logger.warning(
+                "skipped an optimizer step: %s; %s (counted in ppo/skipped_updates)", why, self._batch_summary
+            )
+        if self.consecutive_skips >= self.config.max_skipped_updates:
+            raise RuntimeError(
+                f"{self.consecutive_skips} optimizer steps in a row were skipped (last: {why}; {self._batch_summary}). "
+                "Stopping instead of training on garbage. Check the reward scale (huge or non-finite rewards), lower "
+                "the learning rate, or use precision='fp32'. `PPOConfig.max_skipped_updates` sets this limit."
+            )
         return False
 
     def _sft(self, episodes: list[Episode]) -> dict[str, float]:
@@ -288,6 +309,7 @@ class PPOTrainer:
             "generator": self.generator.get_state(),
             "num_updates": self.num_updates,
             "skipped_updates": self.skipped_updates,
+            "consecutive_skips": self.consecutive_skips,
             "replay": self.replay.state_dict() if self.replay is not None else None,
         }
 
@@ -297,6 +319,7 @@ class PPOTrainer:
         self.generator.set_state(state["generator"])
         self.num_updates = state["num_updates"]
         self.skipped_updates = state["skipped_updates"]
+        self.consecutive_skips = state.get("consecutive_skips", 0)  # absent in checkpoints of llamagym <= 0.2.0
         if self.replay is not None and state.get("replay") is not None:
             self.replay.load_state_dict(state["replay"])
 

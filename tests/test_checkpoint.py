@@ -1,6 +1,7 @@
 """Crash-safe checkpoints: atomic swap, recovery after a kill mid-swap, clear errors for torn or foreign ones."""
 
 import json
+import os
 import random
 
 import pytest
@@ -77,6 +78,15 @@ def test_a_kill_between_the_two_renames_still_finds_a_whole_checkpoint(agent, tm
     assert resolve_checkpoint(tmp_path / "ckpt") == tmp_path / ".ckpt.old-1-1"
 
 
+@pytest.mark.skipif(os.name != "posix", reason="processes are probed with os.kill(pid, 0)")
+def test_a_save_removes_what_killed_writers_left_and_nothing_of_live_ones(agent, tmp_path):
+    dead = 2**22 + 1  # above Linux's largest pid_max: no process has it
+    for name in (f".ckpt.tmp-{dead}-abc", f".ckpt.old-{dead}-1", ".ckpt.tmp-1-live"):  # pid 1 always runs
+        (tmp_path / name).mkdir()
+    agent.save(tmp_path / "ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckpt.tmp-1-live", "ckpt"]
+
+
 def test_a_torn_temporary_directory_is_never_taken(agent, tmp_path):
     agent.save(tmp_path / "ckpt")
     torn = tmp_path / ".ckpt.tmp-abc"
@@ -118,3 +128,51 @@ def test_a_checkpoint_of_another_model_or_a_newer_format_is_refused(agent, token
 def test_missing_checkpoint_says_so(tokenizer, lora_config, tmp_path):
     with pytest.raises(CheckpointError, match="No checkpoint"):
         fresh(tokenizer, lora_config).load(tmp_path / "nothing")
+
+
+def two_env_agent(tokenizer, lora_config, seed):
+    torch.manual_seed(seed)  # the adapter's init: the loaded checkpoint must overwrite it
+    return OneStepAgent(
+        build_tiny_model(tokenizer),
+        tokenizer,
+        ppo_config=PPOConfig(batch_size=3, mini_batch_size=4),
+        lora_config=lora_config,
+        generation_config={"max_new_tokens": 2},
+    )
+
+
+def finish_and_train(agent):
+    agent.act_batch([2, 12])
+    agent.assign_rewards([1.0, 1.0])
+    stats = agent.end_episodes([True, True])  # the batch is full: one PPO update
+    return json.dumps({k: v for k, v in stats.items() if not k.startswith("time/")}, sort_keys=True)
+
+
+def test_running_and_untrained_episodes_survive_a_checkpoint_and_continue_identically(tokenizer, lora_config, tmp_path):
+    agent = two_env_agent(tokenizer, lora_config, seed=0)
+    agent.act_batch([0, 10])
+    agent.assign_rewards([1.0, 2.0])
+    agent.end_episodes([False, True])  # env 1's episode waits in the batch; env 0's goes on
+    agent.act_batch([1, 11])
+    agent.assign_rewards([0.5, 0.0])
+    agent.save(tmp_path / "ckpt")
+    resumed = two_env_agent(tokenizer, lora_config, seed=1)
+    resumed.load(tmp_path / "ckpt")
+    assert resumed.slots == agent.slots and resumed.batch == agent.batch and len(resumed.episode.turns) == 2
+    expected = finish_and_train(agent)
+    resumed.load(tmp_path / "ckpt")  # again: the RNG is global, and `agent` has just drawn from it
+    assert finish_and_train(resumed) == expected
+    for (name, a), b in zip(agent.policy.state_dict().items(), resumed.policy.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_without_restore_episodes_the_running_ones_are_dropped_and_the_batch_kept(tokenizer, lora_config, tmp_path):
+    agent = two_env_agent(tokenizer, lora_config, seed=0)
+    agent.act_batch([0, 10])
+    agent.assign_rewards([1.0, 2.0])
+    agent.end_episodes([False, True])
+    agent.save(tmp_path / "ckpt")
+    resumed = two_env_agent(tokenizer, lora_config, seed=0)
+    resumed.load(tmp_path / "ckpt", restore_episodes=False)
+    assert resumed.batch == agent.batch and len(resumed.slots) == 1 and resumed.episode.turns == []
+    assert resumed.slots[0].number == agent.episode_count  # numbering goes on after the checkpoint's episodes

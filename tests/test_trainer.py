@@ -100,6 +100,29 @@ def test_nan_reward_skips_the_step_and_keeps_weights(model, lora_config, tokeniz
     assert all(torch.equal(before[n], p) for n, p in trainer.policy.named_parameters())
 
 
+def test_the_first_skip_warns_once_with_the_batch_stats(model, lora_config, tokenizer, caplog):
+    trainer = make_trainer(model, lora_config, tokenizer)
+    episodes = make_episodes()
+    episodes[0].turns[0].reward = float("nan")
+    with caplog.at_level("WARNING", logger="llamagym.trainer"):
+        stats = trainer.step(episodes)
+    warnings = [r.getMessage() for r in caplog.records if "skipped an optimizer step" in r.getMessage()]
+    assert stats["ppo/skipped_updates"] == 6 and len(warnings) == 1  # 2 epochs x 3 minibatches, one warning
+    assert "non-finite loss" in warnings[0] and "mean reward nan" in warnings[0] and "kl/ref" in warnings[0]
+
+
+def test_repeated_skips_stop_the_run_but_an_applied_step_resets_the_count(model, lora_config, tokenizer):
+    trainer = make_trainer(model, lora_config, tokenizer, ppo_epochs=1, max_skipped_updates=4)
+    bad = make_episodes()
+    bad[0].turns[0].reward = float("inf")
+    trainer.step(bad)  # 3 minibatches, 3 skipped steps in a row: below the limit
+    trainer.step(make_episodes())  # finite: steps are applied again
+    assert trainer.consecutive_skips == 0 and trainer.skipped_updates == 3
+    trainer.step(bad)
+    with pytest.raises(RuntimeError, match=r"4 optimizer steps in a row were skipped.*learning rate"):
+        trainer.step(bad)
+
+
 def test_adaptive_kl_coefficient_moves_after_an_update(model, lora_config, tokenizer):
     trainer = make_trainer(model, lora_config, tokenizer, kl_estimator="k3", kl_target=1e-6, kl_horizon=10)
     start = trainer.kl_controller.value
@@ -134,9 +157,11 @@ def test_micro_batches_accumulate_to_the_same_update_as_one_minibatch(tokenizer,
     results = []
     for micro in (None, 1):
         torch.manual_seed(0)
-        trainer = PPOTrainer(Policy(build_tiny_model(tokenizer), lora_config),
-                             PPOConfig(mini_batch_size=6, micro_batch_size=micro, ppo_epochs=1, learning_rate=1e-2),
-                             tokenizer.pad_token_id)
+        trainer = PPOTrainer(
+            Policy(build_tiny_model(tokenizer), lora_config),
+            PPOConfig(mini_batch_size=6, micro_batch_size=micro, ppo_epochs=1, learning_rate=1e-2),
+            tokenizer.pad_token_id,
+        )
         stats = trainer.step(make_episodes())
         results.append((stats, [p.detach().clone() for p in trainer.policy.trainable_parameters()]))
     (whole, whole_params), (micro, micro_params) = results
