@@ -67,6 +67,7 @@ def parse_args():
     parser.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL to the reference in the reward")
     parser.add_argument("--ent-coef", type=float, default=0.01, help="entropy bonus (keeps both actions explored)")
     parser.add_argument("--action-mode", choices=["score", "generate"], default="score")
+    parser.add_argument("--lora-layers", type=int, default=8, help="adapt the top N layers only (0 = all)")
     parser.add_argument("--max-new-tokens", type=int, default=8, help="reply length in generate mode")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
     parser.add_argument("--sft-warm-start", action="store_true", help="imitate won hands after each update")
@@ -144,6 +145,7 @@ def main():
         use_target_kl=args.target_kl is not None,
         action_mode=args.action_mode,
         precision=args.precision,
+        lora_layers=args.lora_layers or None,  # the backward pass stops at the lowest adapted layer
         context_turns=0,  # the observation is the whole state: a Markov policy, evaluable exactly
         fallback_action=0,  # stick when a generated reply names no action
         action_space=env.action_space,

@@ -8,6 +8,7 @@ the LM head on response positions only: full-vocabulary logits for every prompt 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import copy
 import json
 from pathlib import Path
@@ -31,6 +32,15 @@ POLICY_META_FILE = "policy.json"
 def lora_config_from_spec(spec: ModelSpec | None) -> LoraConfig:
     """The registry's LoRA defaults for a model (a causal-LM adapter without biases; all linear layers if unknown)."""
     return LoraConfig(**(spec or GENERIC_SPEC).lora_kwargs())
+
+
+def _top_layers(lora_config: LoraConfig, model, count: int) -> LoraConfig:
+    """A copy of `lora_config` that adapts only the top `count` transformer layers."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    total = getattr(config, "num_hidden_layers", None)
+    if not isinstance(count, int) or isinstance(count, bool) or total is None or not 1 <= count <= total:
+        raise ValueError(f"`lora_layers` should be an integer in [1, {total}] (the model's layers). Received {count!r}.")
+    return dataclasses.replace(lora_config, layers_to_transform=list(range(total - count, total)))
 
 
 class ValueHead(nn.Module):
@@ -67,13 +77,20 @@ class Policy(nn.Module):
         lora_config: the adapter to add; None takes the registry defaults in `model.llamagym_spec` (LoRA on all
             linear layers when the model has no spec). Ignored for a `PeftModel`.
         full_finetune: train every weight instead of an adapter; a frozen reference copy is then kept.
+        lora_layers: adapt only the top N transformer layers. The backward pass then stops at the lowest of them:
+            about 2x faster training on a CPU for SmolLM2-135M with 8 of 30 layers. None adapts them all.
         precision: "bf16" runs every forward under bf16 autocast (weights and the value head stay fp32), "fp32"
             runs plain, "auto" picks bf16 where it is native (see `devices.resolve_precision`). Acting, old,
             reference and new log-probs all use this one setting, so the PPO ratio compares like with like.
     """
 
     def __init__(
-        self, model, lora_config: LoraConfig | None = None, full_finetune: bool = False, precision: str = "fp32"
+        self,
+        model,
+        lora_config: LoraConfig | None = None,
+        full_finetune: bool = False,
+        precision: str = "fp32",
+        lora_layers: int | None = None,
     ):
         super().__init__()
         self.full_finetune = full_finetune
@@ -86,6 +103,8 @@ class Policy(nn.Module):
         else:
             if lora_config is None:
                 lora_config = lora_config_from_spec(getattr(model, "llamagym_spec", None))
+            if lora_layers is not None:
+                lora_config = _top_layers(lora_config, model, lora_layers)
             if lora_config.bias != "none":
                 raise ValueError(
                     f"LoRA `bias` should be 'none' so that disabling the adapter gives the reference model exactly. "

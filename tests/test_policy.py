@@ -102,3 +102,11 @@ def test_save_then_load_round_trips_adapter_and_value_head(tokenizer, lora_confi
     after = fresh(*batch)
     torch.testing.assert_close(after.logprobs, before.logprobs)
     torch.testing.assert_close(after.values, before.values)
+
+
+def test_lora_layers_adapts_only_the_top_layers(model):
+    policy = Policy(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], bias="none"), lora_layers=1)
+    adapted = {n.split(".layers.")[1].split(".")[0] for n, p in policy.named_parameters() if "lora_" in n}
+    assert adapted == {"1"}  # the tiny model has layers 0 and 1
+    with pytest.raises(ValueError, match="lora_layers"):
+        Policy(model, LoraConfig(r=4, target_modules=["q_proj"], bias="none"), lora_layers=3)
