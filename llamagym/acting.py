@@ -7,13 +7,19 @@ length-normalised log-likelihoods (every action is valid by construction, one fo
 
 from __future__ import annotations
 
+import logging
+from typing import NamedTuple
+
 import torch
 from transformers import GenerationConfig
 
-from .chat import ChatFormatter
+from .actions import ParsedAction, parse_action
+from .chat import ChatFormatter, Message
 from .demos import response_ids
 from .policy import Policy
 from .rollout import collate_scored, left_pad
+
+logger = logging.getLogger(__name__)
 
 
 class Actor:
@@ -73,3 +79,110 @@ class Actor:
         if greedy:
             return logprobs.argmax(dim=-1).tolist()
         return torch.multinomial(logprobs.exp(), 1)[:, 0].tolist()
+
+
+def generation_settings(spec, overrides: dict) -> dict:
+    """Sampling settings: the registry's max_new_tokens and temperature, then the user's overrides, validated.
+
+    top-k/top-p stay off: PPO needs the sampled distribution to be the one it scores.
+    """
+    defaults = dict(spec.generation) if spec is not None else {}
+    settings = {
+        "max_new_tokens": defaults.get("max_new_tokens", 32),
+        "temperature": defaults.get("temperature", 1.0),
+        **overrides,
+    }
+    for key in ("top_k", "top_p"):
+        if key in settings:
+            raise ValueError(
+                f"`generation_config[{key!r}]` is not supported: PPO must score the distribution "
+                "it samples from. Use `temperature` instead."
+            )
+    if not isinstance(settings["max_new_tokens"], int) or settings["max_new_tokens"] < 1:
+        raise ValueError(f"`max_new_tokens` should be an integer >= 1. Received {settings['max_new_tokens']!r}.")
+    temperature = settings["temperature"]
+    if not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"`temperature` should be a number > 0. Received {temperature!r}.")
+    settings["temperature"] = float(temperature)
+    return settings
+
+
+def eos_ids(tokenizer, model) -> set[int]:
+    """Every token that ends a reply: the tokenizer's EOS and the model's generation-config EOS ids."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
+    ids.discard(None)
+    if not ids:
+        raise ValueError("The tokenizer has no end-of-sequence token; set `tokenizer.eos_token` before training.")
+    return ids
+
+
+class Decision(NamedTuple):
+    """What the agent decided for one observation, ready to be recorded as a turn."""
+
+    history: list[Message]  # the conversation up to and including the new user message
+    prompt: list[int]  # the prompt ids the model saw
+    reply: str
+    reply_ids: list[int]
+    candidates: list[list[int]] | None  # scoring mode only
+    choice: int | None  # scoring mode only
+    parsed: ParsedAction
+
+
+def decide(agent, observations: list, histories: list, wheres: list[str], greedy: bool) -> list[Decision]:
+    """Each observation after its conversation `history`: prompts, then one batched generate or scoring call.
+
+    The agent's hooks format the observations and name the candidates; nothing is recorded here.
+    """
+    if not observations:
+        return []
+    system_prompt = agent.get_system_prompt()
+    messages, prompts, candidates = [], [], []
+    for observation, history, where in zip(observations, histories, wheres, strict=True):
+        hook = "format_observation"
+        try:
+            message = {"role": "user", "content": str(agent.format_observation(observation))}
+            hook = "action_candidates"
+            texts = agent.action_candidates(observation) if agent.action_mode != "generate" else None
+        except Exception as exc:  # a user hook may raise anything: name it, and where, and record nothing
+            raise RuntimeError(f"{hook}() raised {type(exc).__name__}: {exc} in {where}") from exc
+        if texts is not None and not texts:
+            raise ValueError(f"action_candidates returned no candidates in {where}.")
+        if texts is None and agent.action_mode == "score":
+            raise ValueError(
+                f"action_mode='score' but action_candidates returned None in {where}; "
+                "return the list of valid replies, or set action_names."
+            )
+        messages.append([*history, message])
+        try:
+            prompts.append(agent.formatter.prompt_ids(system_prompt, messages[-1])[0])
+        except ValueError as exc:  # over the token budget: say where
+            raise ValueError(f"{where}: {exc}") from None
+        candidates.append(texts)
+    scoring = candidates[0] is not None
+    if any((texts is not None) != scoring for texts in candidates):
+        raise ValueError("action_candidates returned a list for some envs and None for others in one step.")
+    if scoring:
+        cand_ids = [[agent.actor.candidate_ids(t) for t in texts] for texts in candidates]
+        choices = agent.actor.choose(prompts, cand_ids, greedy=greedy)
+        replies = [texts[c] for texts, c in zip(candidates, choices, strict=True)]
+        reply_ids = [ids[c] for ids, c in zip(cand_ids, choices, strict=True)]
+    else:
+        cand_ids, choices = [None] * len(prompts), [None] * len(prompts)
+        reply_ids = agent.actor.generate(prompts, greedy=greedy)
+        replies = [agent.tokenizer.decode(ids, skip_special_tokens=True) for ids in reply_ids]
+    decisions = []
+    for k, where in enumerate(wheres):
+        if scoring and candidates[k] == agent.action_names:
+            parsed = ParsedAction(choices[k] + _space_start(agent.action_space), True, None)
+        else:
+            parsed = parse_action(replies[k], agent.extract_action, agent.fallback_action, agent.action_space)
+        if not parsed.valid:
+            logger.debug("%s: unparsable reply %r (%s)", where, replies[k][:200], parsed.error)
+        decisions.append(Decision(messages[k], prompts[k], replies[k], reply_ids[k], cand_ids[k], choices[k], parsed))
+    return decisions
+
+
+def _space_start(space) -> int:
+    return int(getattr(space, "start", 0)) if space is not None else 0

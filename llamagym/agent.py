@@ -13,16 +13,15 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from .acting import Actor
-from .actions import ParsedAction, parse_action
+from . import demos
+from .acting import Actor, decide, eos_ids, generation_settings
 from .chat import ChatFormatter, Message
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import PPOConfig, ReplayConfig
-from .demos import episode_from_messages, load_jsonl, response_ids
 from .devices import resolve_device
 from .policy import Policy
 from .registry import find_model_spec
@@ -112,8 +111,9 @@ class Agent(ABC):
             )
         self.policy = Policy(model, lora_config, full_finetune, precision, lora_layers)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.eos_ids = _eos_ids(tokenizer, model)
-        self.generation = self._generation_settings(generation_config or {})
+        self.eos_ids = eos_ids(tokenizer, model)
+        self.generation = generation_settings(self.spec, generation_config or {})
+        self.policy.temperature = self.generation["temperature"]
         replay_config = (replay_config or ReplayConfig()) if sft_warm_start else None
         self.trainer = PPOTrainer(self.policy, self.ppo_config, self.pad_token_id, replay_config)
         self.fallback_action = fallback_action
@@ -199,8 +199,8 @@ class Agent(ABC):
         active = [True] * len(observations) if active is None else [bool(a) for a in active]
         index = [i for i, on in enumerate(active) if on]
         slots = [self.slots[i] for i in index]
-        decisions = self._decide(
-            [observations[i] for i in index], [s.history for s in slots], [s.where() for s in slots], self.greedy
+        decisions = decide(
+            self, [observations[i] for i in index], [s.history for s in slots], [s.where() for s in slots], self.greedy
         )
         actions = [self.fallback_action] * len(observations)
         for i, slot, d in zip(index, slots, decisions, strict=True):
@@ -228,7 +228,7 @@ class Agent(ABC):
         """Actions for observations seen afresh (no conversation history), recording nothing: for evaluation."""
         observations = list(observations)
         wheres = [f"predict({i})" for i in range(len(observations))]
-        decisions = self._decide(observations, [[] for _ in observations], wheres, greedy)
+        decisions = decide(self, observations, [[] for _ in observations], wheres, greedy)
         return [d.parsed.action for d in decisions]
 
     def assign_rewards(self, rewards, active=None) -> None:
@@ -319,43 +319,21 @@ class Agent(ABC):
     # ---- demonstrations --------------------------------------------------------------------------------------
     def load_demonstrations(self, path: str | Path) -> int:
         """Seed the SFT replay buffer from a JSONL file of transcripts; returns the number of episodes."""
-        replay = self._replay()
-        transcripts = load_jsonl(path)
-        for number, messages in transcripts:
-            try:
-                episode = episode_from_messages(self.formatter, self.get_system_prompt(), messages, self.eos_ids)
-            except ValueError as exc:
-                raise ValueError(f"{path}:{number}: {exc}") from None
-            replay.add_demo(episode)
-        return len(transcripts)
+        episodes = demos.load_demonstrations(path, self.formatter, self.get_system_prompt(), self.eos_ids)
+        for episode in episodes:
+            self._replay().add_demo(episode)
+        return len(episodes)
 
     def seed_from_expert(self, env, expert: Callable[[Any], str], episodes: int = 8, seed: int | None = None) -> float:
         """Play `episodes` in `env` with a scripted `expert(observation) -> reply text`; keep them as demonstrations.
 
-        Returns the experts' mean return. Raises if a reply of the expert does not parse into a valid action.
+        Returns the expert's mean return. Raises if a reply of the expert does not parse into a valid action.
         """
-        replay, returns = self._replay(), []
-        for i in range(episodes):
-            observation, _ = env.reset(seed=None if seed is None else seed + i)
-            history: list[Message] = []
-            episode, done = Episode(), False
-            while not done:
-                history.append({"role": "user", "content": str(self.format_observation(observation))})
-                prompt, _ = self.formatter.prompt_ids(self.get_system_prompt(), history)
-                reply = expert(observation)
-                history.append({"role": "assistant", "content": reply})
-                rendered = self.formatter.messages(self.get_system_prompt(), history)
-                parsed = parse_action(reply, self.extract_action, self.fallback_action, self.action_space)
-                if not parsed.valid:
-                    raise ValueError(f"the expert's reply {reply!r} is not a valid action: {parsed.error}")
-                observation, reward, terminated, truncated, _ = env.step(parsed.action)
-                episode.turns.append(
-                    Turn(prompt, response_ids(self.formatter, rendered, prompt, self.eos_ids), float(reward))
-                )
-                done = terminated or truncated
+        replay = self._replay()
+        played = demos.play_expert(self, env, expert, episodes, seed)
+        for episode in played:
             replay.add_demo(episode)
-            returns.append(episode.env_return)
-        return _mean(returns)
+        return _mean(e.env_return for e in played)
 
     # ---- persistence -----------------------------------------------------------------------------------------
     def save(self, directory: str | Path, extra: dict | None = None) -> Path:
@@ -372,58 +350,6 @@ class Agent(ABC):
         return load_checkpoint(self, directory, restore_rng, restore_episodes)
 
     # ---- internals -------------------------------------------------------------------------------------------
-    def _decide(self, observations: list, histories: list, wheres: list[str], greedy: bool) -> list[_Decision]:
-        """Prompts for each observation after its history, then one batched generate or scoring call."""
-        if not observations:
-            return []
-        system_prompt = self.get_system_prompt()
-        messages, prompts, candidates = [], [], []
-        for observation, history, where in zip(observations, histories, wheres, strict=True):
-            hook = "format_observation"
-            try:
-                message = {"role": "user", "content": str(self.format_observation(observation))}
-                hook = "action_candidates"
-                texts = self.action_candidates(observation) if self.action_mode != "generate" else None
-            except Exception as exc:  # a user hook may raise anything: name it, and where, and record nothing
-                raise RuntimeError(f"{hook}() raised {type(exc).__name__}: {exc} in {where}") from exc
-            if texts is not None and not texts:
-                raise ValueError(f"action_candidates returned no candidates in {where}.")
-            if texts is None and self.action_mode == "score":
-                raise ValueError(
-                    f"action_mode='score' but action_candidates returned None in {where}; "
-                    "return the list of valid replies, or set action_names."
-                )
-            messages.append([*history, message])
-            try:
-                prompts.append(self.formatter.prompt_ids(system_prompt, messages[-1])[0])
-            except ValueError as exc:  # over the token budget: say where
-                raise ValueError(f"{where}: {exc}") from None
-            candidates.append(texts)
-        scoring = candidates[0] is not None
-        if any((texts is not None) != scoring for texts in candidates):
-            raise ValueError("action_candidates returned a list for some envs and None for others in one step.")
-        if scoring:
-            cand_ids = [[self.actor.candidate_ids(t) for t in texts] for texts in candidates]
-            choices = self.actor.choose(prompts, cand_ids, greedy=greedy)
-            replies = [texts[c] for texts, c in zip(candidates, choices, strict=True)]
-            reply_ids = [ids[c] for ids, c in zip(cand_ids, choices, strict=True)]
-        else:
-            cand_ids, choices = [None] * len(prompts), [None] * len(prompts)
-            reply_ids = self.actor.generate(prompts, greedy=greedy)
-            replies = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in reply_ids]
-        decisions = []
-        for k, where in enumerate(wheres):
-            if scoring and candidates[k] == self.action_names:
-                parsed = ParsedAction(choices[k] + _space_start(self.action_space), True, None)
-            else:
-                parsed = parse_action(replies[k], self.extract_action, self.fallback_action, self.action_space)
-            if not parsed.valid:
-                logger.debug("%s: unparsable reply %r (%s)", where, replies[k][:200], parsed.error)
-            decisions.append(
-                _Decision(messages[k], prompts[k], replies[k], reply_ids[k], cand_ids[k], choices[k], parsed)
-            )
-        return decisions
-
     def _new_slot(self) -> Slot:
         self.episode_count += 1
         return Slot(Episode(), [], self.episode_count - 1)
@@ -442,57 +368,8 @@ class Agent(ABC):
             raise RuntimeError("Demonstrations need the replay buffer: create the agent with sft_warm_start=True.")
         return self.trainer.replay
 
-    def _generation_settings(self, overrides: dict) -> dict:
-        """Sampling settings: the registry's max_new_tokens and temperature, then the user's overrides.
-
-        top-k/top-p stay off: PPO needs the sampled distribution to be the one it scores.
-        """
-        defaults = dict(self.spec.generation) if self.spec is not None else {}
-        settings = {
-            "max_new_tokens": defaults.get("max_new_tokens", 32),
-            "temperature": defaults.get("temperature", 1.0),
-            **overrides,
-        }
-        for key in ("top_k", "top_p"):
-            if key in settings:
-                raise ValueError(
-                    f"`generation_config[{key!r}]` is not supported: PPO must score the distribution "
-                    "it samples from. Use `temperature` instead."
-                )
-        if not isinstance(settings["max_new_tokens"], int) or settings["max_new_tokens"] < 1:
-            raise ValueError(f"`max_new_tokens` should be an integer >= 1. Received {settings['max_new_tokens']!r}.")
-        temperature = settings["temperature"]
-        if not isinstance(temperature, (int, float)) or not temperature > 0:
-            raise ValueError(f"`temperature` should be a number > 0. Received {temperature!r}.")
-        self.policy.temperature = float(temperature)
-        return settings
-
 
 _EMPTY_USER: Message = {"role": "user", "content": ""}
-
-
-class _Decision(NamedTuple):
-    history: list[Message]  # the conversation up to and including the new user message
-    prompt: list[int]  # the prompt ids the model saw
-    reply: str
-    reply_ids: list[int]
-    candidates: list[list[int]] | None  # scoring mode only
-    choice: int | None  # scoring mode only
-    parsed: ParsedAction
-
-
-def _space_start(space) -> int:
-    return int(getattr(space, "start", 0)) if space is not None else 0
-
-
-def _eos_ids(tokenizer, model) -> set[int]:
-    ids = {tokenizer.eos_token_id}
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
-    ids.discard(None)
-    if not ids:
-        raise ValueError("The tokenizer has no end-of-sequence token; set `tokenizer.eos_token` before training.")
-    return ids
 
 
 def _mean(values) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .actions import parse_action
 from .chat import ChatFormatter, Message
 from .rollout import Episode, Turn
 
@@ -50,6 +51,45 @@ def episode_from_messages(
     if not episode.turns:
         raise ValueError("a demonstration needs at least one assistant message")
     return episode
+
+
+def load_demonstrations(path: str | Path, formatter: ChatFormatter, system_prompt: str, eos_ids: set[int]):
+    """Episodes from a JSONL file of transcripts; errors name the file and line."""
+    episodes = []
+    for number, messages in load_jsonl(path):
+        try:
+            episodes.append(episode_from_messages(formatter, system_prompt, messages, eos_ids))
+        except ValueError as exc:
+            raise ValueError(f"{path}:{number}: {exc}") from None
+    return episodes
+
+
+def play_expert(agent, env, expert, episodes: int, seed: int | None = None) -> list[Episode]:
+    """Episodes of a scripted `expert(observation) -> reply text` in `env`, tokenised as the agent's own turns.
+
+    Raises:
+        ValueError: a reply of the expert does not parse into a valid action of the agent.
+    """
+    played = []
+    system_prompt = agent.get_system_prompt()
+    for i in range(episodes):
+        observation, _ = env.reset(seed=None if seed is None else seed + i)
+        history: list[Message] = []
+        episode, done = Episode(is_demo=True), False
+        while not done:
+            history.append({"role": "user", "content": str(agent.format_observation(observation))})
+            prompt, _ = agent.formatter.prompt_ids(system_prompt, history)
+            reply = expert(observation)
+            history.append({"role": "assistant", "content": reply})
+            parsed = parse_action(reply, agent.extract_action, agent.fallback_action, agent.action_space)
+            if not parsed.valid:
+                raise ValueError(f"the expert's reply {reply!r} is not a valid action: {parsed.error}")
+            observation, reward, terminated, truncated, _ = env.step(parsed.action)
+            rendered = agent.formatter.messages(system_prompt, history)
+            episode.turns.append(Turn(prompt, response_ids(agent.formatter, rendered, prompt, agent.eos_ids), reward))
+            done = terminated or truncated
+        played.append(episode)
+    return played
 
 
 def load_jsonl(path: str | Path) -> list[tuple[int, list[Message]]]:

@@ -8,8 +8,8 @@ the LM head on response positions only: full-vocabulary logits for every prompt 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from typing import NamedTuple
@@ -39,7 +39,7 @@ def _top_layers(lora_config: LoraConfig, model, count: int) -> LoraConfig:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     total = getattr(config, "num_hidden_layers", None)
     if not isinstance(count, int) or isinstance(count, bool) or total is None or not 1 <= count <= total:
-        raise ValueError(f"`lora_layers` should be an integer in [1, {total}] (the model's layers). Received {count!r}.")
+        raise ValueError(f"`lora_layers` should be an integer in [1, {total}] (the model's layers). Got {count!r}.")
     return dataclasses.replace(lora_config, layers_to_transform=list(range(total - count, total)))
 
 
