@@ -61,6 +61,7 @@ def parse_args():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-envs", type=int, default=32, help="envs played at once (one forward pass each step)")
     parser.add_argument("--lr", type=float, default=3e-4, help="learning rate of the LoRA adapter and value head")
+    parser.add_argument("--value-lr", type=float, default=None, help="learning rate of the value head (default: --lr)")
     parser.add_argument("--batch-size", type=int, default=64, help="episodes per PPO update")
     parser.add_argument("--mini-batch-size", type=int, default=32, help="turns per optimizer step")
     parser.add_argument("--ppo-epochs", type=int, default=2)
@@ -131,6 +132,7 @@ def main():
             mini_batch_size=args.mini_batch_size,
             ppo_epochs=args.ppo_epochs,
             learning_rate=args.lr,
+            value_learning_rate=args.value_lr,
             gamma=1.0,
             lam=1.0,  # hands are a few turns long: Monte-Carlo returns
             kl_coef=args.kl_coef,

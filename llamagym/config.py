@@ -40,7 +40,8 @@ def _int(v) -> bool:
 class PPOConfig:
     """PPO hyperparameters, with defaults that learn small models on a CPU (paper names, see DESIGN.md §3)."""
 
-    learning_rate: float = 2e-4  # AdamW step size for the LoRA adapter and the value head
+    learning_rate: float = 2e-4  # AdamW step size for the LoRA adapter (and the value head, unless set below)
+    value_learning_rate: float | None = None  # AdamW step size for the value head; None = learning_rate
     batch_size: int = 8  # episodes collected before each PPO update
     mini_batch_size: int = 8  # turns per optimizer step (more than a batch holds = one full-batch step an epoch)
     micro_batch_size: int | None = 8  # turns per forward/backward within a step (bounds memory); None = all
@@ -73,6 +74,7 @@ class PPOConfig:
             self,
             {
                 "learning_rate": positive,
+                "value_learning_rate": (lambda v: v is None or (_num(v) and v > 0), "None or a number > 0"),
                 "batch_size": count,
                 "mini_batch_size": count,
                 "micro_batch_size": (lambda v: v is None or (_int(v) and v >= 1), "None or an integer >= 1"),

@@ -44,8 +44,13 @@ class PPOTrainer:
         self.policy = policy
         self.config = config
         self.pad_token_id = pad_token_id
+        value_params = list(policy.value_head.parameters())
+        lm_params = [p for p in policy.trainable_parameters() if all(p is not v for v in value_params)]
+        value_lr = config.value_learning_rate or config.learning_rate
         self.optimizer = torch.optim.AdamW(
-            policy.trainable_parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
+            [{"params": lm_params}, {"params": value_params, "lr": value_lr}],
+            lr=config.learning_rate,
+            weight_decay=config.weight_decay,
         )
         if config.adaptive_kl:
             self.kl_controller = ppo.AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon)

@@ -169,3 +169,10 @@ def test_micro_batches_accumulate_to_the_same_update_as_one_minibatch(tokenizer,
         assert whole[key] == pytest.approx(micro[key], rel=1e-4, abs=1e-6), key
     for a, b in zip(whole_params, micro_params, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_value_head_has_its_own_learning_rate(model, lora_config, tokenizer):
+    trainer = make_trainer(model, lora_config, tokenizer, learning_rate=1e-4, value_learning_rate=3e-3)
+    groups = trainer.optimizer.param_groups
+    assert [g["lr"] for g in groups] == [1e-4, 3e-3]
+    assert {id(p) for p in groups[1]["params"]} == {id(p) for p in trainer.policy.value_head.parameters()}
