@@ -9,6 +9,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 
+from llamagym.registry import MODELS  # noqa: E402
 from llamagym.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 
 torch.set_num_threads(1)  # two test processes on two cores must not fight over threads
@@ -30,3 +31,12 @@ def lora_config():
     return LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], bias="none", lora_dropout=0.0, init_lora_weights=False
     )
+
+
+@pytest.fixture
+def restore_models():
+    """Tests that register models put the registry back as it was."""
+    saved = dict(MODELS)
+    yield
+    MODELS.clear()
+    MODELS.update(saved)

@@ -2,31 +2,12 @@
 
 import json
 
-import gymnasium as gym
 import pytest
 import torch
 from peft import LoraConfig
 
 from llamagym import Agent, PPOConfig, ReplayConfig
-
-
-class CountingEnv(gym.Env):
-    """Observation = step number; reward = 1 for action 1; ends after `length` steps."""
-
-    observation_space = gym.spaces.Discrete(100)
-    action_space = gym.spaces.Discrete(2)
-
-    def __init__(self, length=2):
-        self.length = length
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.t = 0
-        return self.t, {}
-
-    def step(self, action):
-        self.t += 1
-        return self.t, float(action == 1), self.t >= self.length, False, {}
+from tests.envs import CountingEnv
 
 
 class ScriptedAgent(Agent):

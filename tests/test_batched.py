@@ -7,25 +7,12 @@ import torch
 
 from llamagym import Agent, PPOConfig
 from llamagym.tiny import build_tiny_model
+from tests.envs import CountingEnv
 
 
-class LengthEnv(gym.Env):
-    """Ends after `length` steps; reward = step index + 1 (so rewards show which step they came from)."""
-
-    observation_space = gym.spaces.Discrete(100)
-    action_space = gym.spaces.Discrete(2)
-
-    def __init__(self, length):
-        self.length = length
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.t = 0
-        return self.t, {}
-
-    def step(self, action):
-        self.t += 1
-        return self.t, float(self.t), self.t >= self.length, False, {}
+def LengthEnv(length):  # noqa: N802 (an env factory read like a class)
+    """Rewards 1, 2, ..., length: each reward says which step it came from."""
+    return CountingEnv(length, reward=lambda action, step: float(step))
 
 
 class EchoAgent(Agent):

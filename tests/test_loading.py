@@ -36,14 +36,6 @@ def tiny_checkpoint(tmp_path):
 
 
 @pytest.fixture
-def restore_models():
-    saved = dict(MODELS)
-    yield
-    MODELS.clear()
-    MODELS.update(saved)
-
-
-@pytest.fixture
 def fake_gguf(tmp_path, monkeypatch):
     """A stand-in .gguf file whose "conversion" builds the tiny model and counts the calls (no real GGUF needed)."""
     path = tmp_path / "weights" / "Tiny-Model.Q4_0.gguf"

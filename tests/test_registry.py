@@ -23,15 +23,6 @@ from llamagym.registry import (
 )
 
 
-@pytest.fixture
-def restore_models():
-    """Tests that register models put the registry back as it was."""
-    saved = dict(MODELS)
-    yield
-    MODELS.clear()
-    MODELS.update(saved)
-
-
 def _spec(**overrides) -> ModelSpec:
     fields = dict(
         name="test-model",
