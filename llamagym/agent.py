@@ -224,12 +224,14 @@ class Agent(ABC):
                 self.slots[i] = self._new_slot()
         return discarded
 
-    def predict(self, observations, greedy: bool = True) -> list:
+    def predict(self, observations, greedy: bool = True, chunk: int = 64) -> list:
         """Actions for observations seen afresh (no conversation history), recording nothing: for evaluation."""
-        observations = list(observations)
-        wheres = [f"predict({i})" for i in range(len(observations))]
-        decisions = decide(self, observations, [[] for _ in observations], wheres, greedy)
-        return [d.parsed.action for d in decisions]
+        observations, actions = list(observations), []
+        for start in range(0, len(observations), chunk):  # bounded memory however many observations
+            part = observations[start : start + chunk]
+            wheres = [f"predict({start + i})" for i in range(len(part))]
+            actions += [d.parsed.action for d in decide(self, part, [[] for _ in part], wheres, greedy)]
+        return actions
 
     def assign_rewards(self, rewards, active=None) -> None:
         """Add each env's reward to its slot's last turn (inactive slots are skipped)."""
