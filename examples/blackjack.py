@@ -147,7 +147,8 @@ def main():
         use_target_kl=args.target_kl is not None,
         action_mode=args.action_mode,
         precision=args.precision,
-        lora_layers=args.lora_layers or None,  # the backward pass stops at the lowest adapted layer
+        # the backward pass stops at the lowest adapted layer (a small model may have fewer than asked for)
+        lora_layers=min(args.lora_layers, model.config.num_hidden_layers) or None,
         context_turns=0,  # the observation is the whole state: a Markov policy, evaluable exactly
         fallback_action=0,  # stick when a generated reply names no action
         action_space=env.action_space,
