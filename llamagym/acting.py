@@ -42,6 +42,7 @@ class Actor:
         self.eos_ids = eos_ids
         self.generation = generation
         self._candidate_cache: dict[str, list[int]] = {}
+        self.reuse_prefix = True  # score the prompts' common prefix once per step (see Policy.score)
 
     def generate(self, prompts: list[list[int]], greedy: bool = False) -> list[list[int]]:
         """One reply per prompt, sampled (or greedy), cut after the first end-of-turn token."""
@@ -75,10 +76,21 @@ class Actor:
     def choose(self, prompts: list[list[int]], candidates: list[list[list[int]]], greedy: bool = False) -> list[int]:
         """Index of the chosen candidate for each prompt: sampled from the policy, or its arg-max when greedy."""
         batch = collate_scored(prompts, candidates, pad_token_id=self.pad_token_id, device=self.policy.device)
-        logprobs = self.policy.score(batch).logprobs
+        prefix = shared_prefix(prompts) if len(prompts) > 1 and self.reuse_prefix else 0
+        logprobs = self.policy.score(batch, prefix=prefix).logprobs
         if greedy:
             return logprobs.argmax(dim=-1).tolist()
         return torch.multinomial(logprobs.exp(), 1)[:, 0].tolist()
+
+
+def shared_prefix(prompts: list[list[int]]) -> int:
+    """Length of the token prefix all prompts share, leaving each at least its last token (where V is read)."""
+    limit = min(len(p) for p in prompts) - 1
+    first = prompts[0]
+    for i in range(limit):
+        if any(p[i] != first[i] for p in prompts):
+            return i
+    return max(limit, 0)
 
 
 def generation_settings(spec, overrides: dict) -> dict:

@@ -148,14 +148,32 @@ class Policy(nn.Module):
         """The autocast context every forward of this policy runs in (a no-op at fp32)."""
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
 
-    def _hidden(self, input_ids, attention_mask, reference: bool, position_ids=None):
+    def _hidden(self, input_ids, attention_mask, reference: bool, position_ids=None, prefix: int = 0):
         lm = self.causal_lm(reference)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         with self.autocast():
             if self._full_forward:
                 out = lm(**inputs, output_hidden_states=True)
                 return out.hidden_states[-1], out.logits
+            if prefix:
+                return self._hidden_with_prefix(lm.get_decoder(), input_ids, attention_mask, position_ids, prefix), None
             return lm.get_decoder()(**inputs).last_hidden_state, None
+
+    @staticmethod
+    def _hidden_with_prefix(decoder, input_ids, attention_mask, position_ids, prefix: int) -> torch.Tensor:
+        """Hidden states when every row starts with the same `prefix` tokens: the prefix runs once, its KV cache
+        is repeated across the batch, and only the rest of each row is computed (a 4D mask is required)."""
+        rows = input_ids.shape[0]
+        shared = decoder(input_ids=input_ids[:1, :prefix], position_ids=position_ids[:1, :prefix], use_cache=True)
+        cache = shared.past_key_values
+        cache.batch_repeat_interleave(rows)
+        rest = decoder(
+            input_ids=input_ids[:, prefix:],
+            attention_mask=attention_mask[:, :, prefix:, :],
+            position_ids=position_ids[:, prefix:],
+            past_key_values=cache,
+        ).last_hidden_state
+        return torch.cat([shared.last_hidden_state.expand(rows, -1, -1), rest], dim=1)
 
     def _token_logits(self, hidden, full_logits, rows, positions, reference: bool) -> torch.Tensor:
         """Logits predicted at (rows, positions), running the LM head on those positions only."""
@@ -204,12 +222,15 @@ class Policy(nn.Module):
             values = self.value_head(hidden[rows, value_index])
         return PolicyOutput(logprobs, values, entropy)
 
-    def score(self, batch: ScoreBatch, reference: bool = False) -> ScoreOutput:
+    def score(self, batch: ScoreBatch, reference: bool = False, prefix: int = 0) -> ScoreOutput:
         """The policy over candidate replies: softmax of their length-normalised log-likelihoods (TWOSOME).
 
         One forward pass per row scores the prompt and all its packed candidates (see `rollout.ScoreBatch`).
+        `prefix` > 0 says the rows share their first `prefix` tokens (e.g. the system prompt): they are computed
+        once and their KV cache reused. Acting uses it; training never does, so that old, reference and new
+        log-probs come from one computation path.
         """
-        hidden, full_logits = self._hidden(batch.input_ids, batch.attention_mask, reference, batch.position_ids)
+        hidden, full_logits = self._hidden(batch.input_ids, batch.attention_mask, reference, batch.position_ids, prefix)
         valid = batch.owner >= 0
         rows = torch.arange(batch.input_ids.shape[0], device=hidden.device)[:, None].expand_as(batch.owner)[valid]
         logits = self._token_logits(hidden, full_logits, rows, batch.source[valid], reference)

@@ -1,5 +1,6 @@
 """Scoring mode: the policy is a softmax over the candidates' length-normalised log-likelihoods."""
 
+import pytest
 import torch
 
 from llamagym import ppo
@@ -67,3 +68,29 @@ def test_scored_turns_train_with_ratio_exactly_one_on_the_first_minibatch(model,
     assert torch.equal(seen[0][0], seen[0][1]) and seen[0][0].shape == (2, 1)
     assert stats["ppo/approx_kl"] >= 0 and stats["ppo/minibatches"] == 2
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policy.trainable_parameters(), strict=True))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_reusing_the_shared_prefix_cache_equals_the_uncached_forward(model, lora_config, precision):
+    from llamagym.acting import shared_prefix
+
+    prompts = [[257, 50, 51, 52, 256, 258, 60, 256, 259], [257, 50, 51, 52, 256, 258, 61, 62, 63, 256, 259]]
+    candidates = [CANDIDATES[0], CANDIDATES[1]]
+    policy = Policy(model, lora_config, precision=precision)
+    batch = collate_scored(prompts, candidates, pad_token_id=256)
+    prefix = shared_prefix(prompts)
+    assert prefix == 6
+    with torch.no_grad():
+        plain, cached = policy.score(batch), policy.score(batch, prefix=prefix)
+    finite = plain.logprobs.isfinite()
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if precision == "fp32" else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(cached.logprobs[finite], plain.logprobs[finite], **tolerance)
+    torch.testing.assert_close(cached.values, plain.values, **tolerance)
+
+
+def test_shared_prefix_leaves_every_prompt_its_last_token():
+    from llamagym.acting import shared_prefix
+
+    assert shared_prefix([[1, 2, 3], [1, 2, 3]]) == 2
+    assert shared_prefix([[1, 2, 3], [1, 9, 3]]) == 1
+    assert shared_prefix([[5], [5, 6]]) == 0
