@@ -6,6 +6,11 @@ The public names are imported lazily (PEP 562), so `llamagym models` and `import
 from __future__ import annotations
 
 import importlib
+import logging
+
+# bitsandbytes (the Linux `quantization` extra) warns at import that a CPU kernel package is missing. Its 4-bit
+# path needs CUDA and is never used on a CPU, so the warning only confuses; errors still show.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 __version__ = "0.2.0"
 
