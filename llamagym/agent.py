@@ -8,7 +8,7 @@ losses.
 from __future__ import annotations
 
 import contextlib
-import logging
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -28,8 +28,6 @@ from .registry import find_model_spec
 from .rollout import Episode, Turn, unbatch
 from .slots import Slot
 from .trainer import PPOTrainer
-
-logger = logging.getLogger(__name__)
 
 ACTION_MODES = ("auto", "generate", "score")
 
@@ -93,8 +91,8 @@ class Agent(ABC):
         if not isinstance(format_penalty, (int, float)) or not math.isfinite(format_penalty) or format_penalty < 0:
             raise ValueError(f"`format_penalty` should be a finite number >= 0. Received {format_penalty!r}.")
         self.ppo_config = ppo_config or PPOConfig()
-        if use_target_kl is not None:
-            self.ppo_config.use_target_kl = bool(use_target_kl)
+        if use_target_kl is not None:  # a copy: the caller's config object is left as it was
+            self.ppo_config = dataclasses.replace(self.ppo_config, use_target_kl=bool(use_target_kl))
         if device is not None:
             model = model.to(resolve_device(device))
         self.tokenizer = tokenizer
