@@ -102,7 +102,8 @@ def evaluate(agent, args, output_dir, returns, name="eval"):
     save_json(output_dir / f"{name}.json", result)
     references = {k: v["expected_return"] for k, v in result["references"].items()}
     if returns:
-        plot_learning_curve(returns, output_dir / "learning_curve.png", references=references)
+        window = max(50, len(returns) // 15)  # a hand's return is -1, 0 or 1: average enough to see a trend
+        plot_learning_curve(returns, output_dir / "learning_curve.png", window=window, references=references)
     plot_blackjack_policy(policy_table(table), policy_table(optimal_policy()), output_dir / "policy.png")
     return result
 
