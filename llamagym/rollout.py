@@ -124,6 +124,18 @@ def collate_turns(turns: list[Turn], pad_token_id: int, device: torch.device | s
     return collate(turns, pad_token_id, device)
 
 
+def _pad(rows: list[list[int]], pad_token_id: int, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of token rows padded to the longest, on the right (or the left)."""
+    length = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
+    for i, row in enumerate(rows):
+        span = slice(length - len(row), length) if left else slice(0, len(row))
+        input_ids[i, span] = torch.tensor(row, dtype=torch.long)
+        attention_mask[i, span] = 1
+    return input_ids, attention_mask
+
+
 def collate(turns: list[Turn], pad_token_id: int, device: torch.device | str = "cpu") -> TurnBatch:
     """Right-pad `turns` into tensors; the response mask is placed by token counts, never by string search.
 
@@ -135,28 +147,17 @@ def collate(turns: list[Turn], pad_token_id: int, device: torch.device | str = "
     for i, turn in enumerate(turns):
         if not turn.prompt_ids or not turn.response_ids:
             raise ValueError(f"turn {i} has an empty prompt or response; every turn needs both.")
-    length = max(len(t.prompt_ids) + len(t.response_ids) for t in turns)
-    input_ids = torch.full((len(turns), length), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(turns), length), dtype=torch.long)
-    response_mask = torch.zeros((len(turns), length), dtype=torch.float32)
-    value_index = torch.empty(len(turns), dtype=torch.long)
+    input_ids, attention_mask = _pad([t.prompt_ids + t.response_ids for t in turns], pad_token_id)
+    response_mask = torch.zeros_like(input_ids, dtype=torch.float32)
     for i, turn in enumerate(turns):
-        p, r = len(turn.prompt_ids), len(turn.response_ids)
-        input_ids[i, : p + r] = torch.tensor(turn.prompt_ids + turn.response_ids, dtype=torch.long)
-        attention_mask[i, : p + r] = 1
-        response_mask[i, p : p + r] = 1.0
-        value_index[i] = p - 1
+        response_mask[i, len(turn.prompt_ids) : len(turn.prompt_ids) + len(turn.response_ids)] = 1.0
+    value_index = torch.tensor([len(t.prompt_ids) - 1 for t in turns], dtype=torch.long)
     return TurnBatch(*(t.to(device) for t in (input_ids, attention_mask, response_mask, value_index)))
 
 
 def prompt_batch(prompts: list[list[int]], pad_token_id: int, device: torch.device | str = "cpu") -> TurnBatch:
     """Right-padded prompts alone (no response), for reading V(s) at their last token."""
-    length = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), length), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), length), dtype=torch.long)
-    for i, prompt in enumerate(prompts):
-        input_ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        attention_mask[i, : len(prompt)] = 1
+    input_ids, attention_mask = _pad(prompts, pad_token_id)
     value_index = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long)
     response_mask = torch.zeros_like(input_ids, dtype=torch.float32)
     return TurnBatch(*(t.to(device) for t in (input_ids, attention_mask, response_mask, value_index)))
@@ -164,12 +165,7 @@ def prompt_batch(prompts: list[list[int]], pad_token_id: int, device: torch.devi
 
 def left_pad(prompts: list[list[int]], pad_token_id: int, device: torch.device | str = "cpu"):
     """Left-padded (input_ids, attention_mask) for batched generation."""
-    length = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), length), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(prompts), length), dtype=torch.long)
-    for i, prompt in enumerate(prompts):
-        input_ids[i, length - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        attention_mask[i, length - len(prompt) :] = 1
+    input_ids, attention_mask = _pad(prompts, pad_token_id, left=True)
     return input_ids.to(device), attention_mask.to(device)
 
 
