@@ -43,6 +43,9 @@ class Actor:
         self.generation = generation
         self._candidate_cache: dict[str, list[int]] = {}
         self.reuse_prefix = True  # score the prompts' common prefix once per step (see Policy.score)
+        self.score_cache_size = 65536  # distinct scored inputs remembered between weight updates
+        self._scores: dict[tuple, torch.Tensor] = {}
+        self._scores_stamp: tuple | None = None
 
     def generate(self, prompts: list[list[int]], greedy: bool = False) -> list[list[int]]:
         """One reply per prompt, sampled (or greedy), cut after the first end-of-turn token."""
@@ -74,13 +77,35 @@ class Actor:
 
     @torch.no_grad()
     def choose(self, prompts: list[list[int]], candidates: list[list[list[int]]], greedy: bool = False) -> list[int]:
-        """Index of the chosen candidate for each prompt: sampled from the policy, or its arg-max when greedy."""
-        batch = collate_scored(prompts, candidates, pad_token_id=self.pad_token_id, device=self.policy.device)
-        prefix = shared_prefix(prompts) if len(prompts) > 1 and self.reuse_prefix else 0
-        logprobs = self.policy.score(batch, prefix=prefix).logprobs
+        """Index of the chosen candidate for each prompt: sampled from the policy, or its arg-max when greedy.
+
+        Each distinct (prompt, candidates) input is scored once per policy version: envs in the same state, now
+        or later in the rollout, reuse its distribution until the weights change (see `Policy.version`).
+        """
+        stamp = (self.policy.version, self.policy.temperature)
+        if stamp != self._scores_stamp:
+            self._scores.clear()
+            self._scores_stamp = stamp
+        keys = [(tuple(p), tuple(map(tuple, c))) for p, c in zip(prompts, candidates, strict=True)]
+        missing = list(dict.fromkeys(key for key in keys if key not in self._scores))
+        if missing:
+            todo = [list(key[0]) for key in missing]
+            batch = collate_scored(
+                todo,
+                [[list(c) for c in key[1]] for key in missing],
+                pad_token_id=self.pad_token_id,
+                device=self.policy.device,
+            )
+            prefix = shared_prefix(todo) if len(todo) > 1 and self.reuse_prefix else 0
+            logprobs = self.policy.score(batch, prefix=prefix).logprobs.float().cpu()
+            if len(self._scores) + len(missing) > self.score_cache_size:
+                self._scores.clear()
+            for key, row in zip(missing, logprobs, strict=True):
+                self._scores[key] = row[: len(key[1])]
+        rows = [self._scores[key] for key in keys]
         if greedy:
-            return logprobs.argmax(dim=-1).tolist()
-        return torch.multinomial(logprobs.exp(), 1)[:, 0].tolist()
+            return [int(row.argmax()) for row in rows]
+        return [int(torch.multinomial(row.exp(), 1)) for row in rows]
 
 
 def shared_prefix(prompts: list[list[int]]) -> int:

@@ -118,6 +118,7 @@ class Policy(nn.Module):
         # Gemma-2-style logit soft-capping lives in the causal LM's forward, so the LM-head shortcut would skip it.
         self._full_forward = getattr(text_config, "final_logit_softcapping", None) is not None
         self.temperature = 1.0  # sampling temperature; log-probs are scored under the same one
+        self.version = 0  # bumped whenever the weights change (optimizer step, load): outputs cached by it go stale
         self.eval()  # dropout stays off: old, reference and new log-probs come from one computation path
 
     # ---- structure -------------------------------------------------------------------------------------------
@@ -278,3 +279,4 @@ class Policy(nn.Module):
         else:
             self.model.load_state_dict(load_file(str(directory / "model.safetensors"), device=str(device)))
         self.value_head.load_state_dict(load_file(str(directory / VALUE_HEAD_FILE), device=str(device)))
+        self.version += 1

@@ -25,7 +25,17 @@ from . import ppo
 from .config import PPOConfig, ReplayConfig
 from .policy import Policy
 from .replay import SFTReplayBuffer, sft_loss
-from .rollout import Episode, ScoreBatch, TurnBatch, collate, collate_turns, minibatch_indices, prompt_batch, select
+from .rollout import (
+    Episode,
+    ScoreBatch,
+    Turn,
+    TurnBatch,
+    collate,
+    collate_turns,
+    minibatch_indices,
+    prompt_batch,
+    select,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,18 +82,19 @@ class PPOTrainer:
             raise ValueError("PPOTrainer.step() needs at least one episode with a turn.")
         turns = [turn for episode in episodes for turn in episode.turns]
         batch = collate_turns(turns, self.pad_token_id, self.policy.device)
+        groups = distinct_inputs(turns)
         mask = _action_mask(batch)
         # Shuffles for every epoch are drawn up front: the old log-probs are computed on epoch 0's minibatches,
         # so the first minibatch repeats that exact forward and its ratio is exactly 1.
         plans = [minibatch_indices(len(turns), cfg.mini_batch_size, self.generator) for _ in range(cfg.ppo_epochs)]
 
         # 1. old log-probs and values, reference log-probs (no grad, dropout off)
-        old_logprobs, old_values = self._score(batch, plans[0], reference=False)
+        old_logprobs, old_values = self._score(batch, groups, plans[0], reference=False)
         if self.kl_controller.value == 0 and not cfg.adaptive_kl:
             ref_logprobs = old_logprobs  # the KL term is off: skip the reference forward pass
         else:
             with self.policy.reference():
-                ref_logprobs, _ = self._score(batch, plans[0], reference=True)
+                ref_logprobs, _ = self._score(batch, groups, plans[0], reference=True)
 
         # 2. per-turn rewards: env reward minus the KL penalty to the reference
         kl_ref = (ppo.kl_penalty(old_logprobs, ref_logprobs, cfg.kl_estimator) * mask).sum(dim=-1)
@@ -104,7 +115,7 @@ class PPOTrainer:
         early_stopped, done = False, 0
         for plan in plans:
             for index in plan:
-                mb = self._minibatch_loss(batch, index, old_logprobs, old_values, advantages, returns)
+                mb = self._minibatch_loss(batch, groups, index, old_logprobs, old_values, advantages, returns)
                 if mb is None:  # a non-finite loss: nothing was applied, the step is skipped
                     continue
                 if cfg.use_target_kl and ppo.kl_exceeded(mb["ppo/approx_kl"], cfg.target_kl):
@@ -138,6 +149,7 @@ class PPOTrainer:
                 "ppo/returns_mean": float(returns.mean()),
                 "ppo/values_mean": float(old_values.mean()),
                 "ppo/num_turns": float(len(turns)),
+                "ppo/distinct_turns": float(int(groups.max()) + 1),
                 "ppo/num_updates": float(self.num_updates),
                 "kl/ref": mean_kl_ref,
                 "kl/coef": float(self.kl_controller.value),
@@ -149,38 +161,47 @@ class PPOTrainer:
         return result
 
     # ---- pieces ----------------------------------------------------------------------------------------------
-    def _evaluate(self, batch: TurnBatch | ScoreBatch, reference: bool = False, with_entropy: bool = False):
-        """(log-probs, mask, values, entropy) of the actions taken, shaped (B, T) with T = 1 in scoring mode.
+    def _evaluate(self, batch, groups, part, reference: bool = False, with_entropy: bool = False):
+        """(log-probs, mask, values, entropy) of the actions of rows `part`, shaped (P, T); T = 1 in scoring mode.
 
         Generated turns give one log-prob per response token; scored turns one per turn: log pi(chosen candidate).
+        Rows with the same model input (`groups`) are computed once and shared: the result is the same, the cost
+        is that of the distinct inputs only.
         """
+        distinct, inverse = torch.unique(groups[part], return_inverse=True)
+        first = torch.full((len(distinct),), len(part)).scatter_reduce(0, inverse, torch.arange(len(part)), "amin")
+        rows = select(batch, part[first])
         if isinstance(batch, ScoreBatch):
-            out = self.policy.score(batch, reference=reference)
-            chosen = out.logprobs.gather(1, batch.choice[:, None])
-            probs = out.logprobs.exp()
-            entropy = -(probs * out.logprobs.masked_fill(probs == 0, 0.0)).sum(-1, keepdim=True)
-            return chosen, torch.ones_like(chosen), out.values, entropy
-        out = self.policy(*batch, reference=reference, with_entropy=with_entropy)
-        return out.logprobs, batch.response_mask, out.values, out.entropy
+            out = self.policy.score(rows, reference=reference)
+            logprobs = out.logprobs[inverse]
+            chosen = logprobs.gather(1, batch.choice[part][:, None])
+            probs = logprobs.exp()
+            entropy = -(probs * logprobs.masked_fill(probs == 0, 0.0)).sum(-1, keepdim=True)
+            return chosen, torch.ones_like(chosen), out.values[inverse], entropy
+        out = self.policy(*rows, reference=reference, with_entropy=with_entropy)
+        entropy = out.entropy[inverse] if out.entropy is not None else None
+        return out.logprobs[inverse], rows.response_mask[inverse], out.values[inverse], entropy
 
-    def _micro(self, index: torch.Tensor) -> list[torch.Tensor]:
-        """A minibatch's rows in micro-batches: forward/backward memory is bounded by `micro_batch_size`."""
-        size = self.config.micro_batch_size or len(index)
-        return list(index.split(size))
+    def _micro(self, groups: torch.Tensor, index: torch.Tensor) -> list[torch.Tensor]:
+        """A minibatch's rows in micro-batches of at most `micro_batch_size` distinct inputs (which bounds the
+        forward/backward memory); rows sharing an input stay in one micro-batch."""
+        distinct, inverse = torch.unique(groups[index], return_inverse=True)
+        size = self.config.micro_batch_size or len(distinct)
+        return [index[(inverse >= lo) & (inverse < lo + size)] for lo in range(0, len(distinct), size)]
 
     @torch.no_grad()
-    def _score(self, batch: TurnBatch | ScoreBatch, plan: list[torch.Tensor], reference: bool):
+    def _score(self, batch, groups, plan: list[torch.Tensor], reference: bool):
         """Log-probs (N, T) and values (N,) of the whole batch, computed micro-batch by micro-batch as the first
         epoch will (so the first minibatch's ratio is exactly 1)."""
         logprobs = torch.zeros_like(_action_mask(batch))
         values = torch.zeros(batch.input_ids.shape[0], device=logprobs.device)
-        for part in (part for index in plan for part in self._micro(index)):
-            mb_logprobs, _, mb_values, _ = self._evaluate(select(batch, part), reference=reference)
+        for part in (part for index in plan for part in self._micro(groups, index)):
+            mb_logprobs, _, mb_values, _ = self._evaluate(batch, groups, part, reference=reference)
             logprobs[part, : mb_logprobs.shape[1]] = mb_logprobs
             values[part] = mb_values
         return logprobs, values
 
-    def _minibatch_loss(self, batch, index, old_logprobs, old_values, advantages, returns) -> dict | None:
+    def _minibatch_loss(self, batch, groups, index, old_logprobs, old_values, advantages, returns) -> dict | None:
         """Forward and backward one minibatch in micro-batches (gradients accumulate); returns its stats.
 
         Token means are weighted by each micro-batch's share of the minibatch's tokens (turn means by rows), so
@@ -189,8 +210,8 @@ class PPOTrainer:
         cfg, mask = self.config, _action_mask(batch)
         total_tokens, total_rows = mask[index].sum(), len(index)
         sums: dict[str, float] = defaultdict(float)
-        for part in self._micro(index):
-            logprobs, part_mask, values, entropy = self._evaluate(select(batch, part), with_entropy=True)
+        for part in self._micro(groups, index):
+            logprobs, part_mask, values, entropy = self._evaluate(batch, groups, part, with_entropy=True)
             old = old_logprobs[part, : logprobs.shape[1]]
             token_share, row_share = part_mask.sum() / total_tokens, len(part) / total_rows
             part_advantages = advantages[part].unsqueeze(-1).expand_as(old)
@@ -262,6 +283,7 @@ class PPOTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             return self._skip(f"non-finite gradient norm {float(grad_norm)}")
         self.optimizer.step()
+        self.policy.version += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.consecutive_skips = 0
         stats["ppo/grad_norm"].append(float(grad_norm))
@@ -327,6 +349,20 @@ class PPOTrainer:
         self.consecutive_skips = state.get("consecutive_skips", 0)  # absent in checkpoints of llamagym <= 0.2.0
         if self.replay is not None and state.get("replay") is not None:
             self.replay.load_state_dict(state["replay"])
+
+
+def distinct_inputs(turns: list[Turn]) -> torch.Tensor:
+    """(N,) id of each turn's model input, numbered by first appearance: equal ids mean equal log-probs and values.
+
+    A scored turn's input is its prompt with every candidate (whichever was chosen), a generated one's its prompt
+    and reply. Small observation spaces repeat inputs often (Blackjack has 280 states).
+    """
+    ids: dict[tuple, int] = {}
+    numbered = []
+    for turn in turns:
+        reply = tuple(map(tuple, turn.candidates)) if turn.candidates is not None else tuple(turn.response_ids)
+        numbered.append(ids.setdefault((tuple(turn.prompt_ids), reply), len(ids)))
+    return torch.tensor(numbered, dtype=torch.long)
 
 
 def _action_mask(batch: TurnBatch | ScoreBatch) -> torch.Tensor:

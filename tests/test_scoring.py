@@ -94,3 +94,27 @@ def test_shared_prefix_leaves_every_prompt_its_last_token():
     assert shared_prefix([[1, 2, 3], [1, 2, 3]]) == 2
     assert shared_prefix([[1, 2, 3], [1, 9, 3]]) == 1
     assert shared_prefix([[5], [5, 6]]) == 0
+
+
+def test_a_repeated_input_is_scored_once_per_policy_version(model, tokenizer, lora_config, monkeypatch):
+    from llamagym.acting import Actor
+    from llamagym.chat import ChatFormatter
+
+    policy = Policy(model, lora_config)
+    actor = Actor(policy, ChatFormatter(tokenizer), 256, {256}, {"max_new_tokens": 4, "temperature": 1.0})
+    scored_rows, score = [], policy.score
+    monkeypatch.setattr(
+        policy, "score", lambda batch, **k: scored_rows.append(len(batch.input_ids)) or score(batch, **k)
+    )
+    prompts, candidates = [PROMPTS[0], PROMPTS[1], PROMPTS[0]], [CANDIDATES[0], CANDIDATES[1], CANDIDATES[0]]
+    torch.manual_seed(0)
+    sampled = [actor.choose(prompts, candidates) for _ in range(200)]
+    assert scored_rows == [2]  # two distinct inputs, scored once for all 200 steps
+    expected = [manual_scores(policy, p, c).softmax(-1) for p, c in zip(PROMPTS, CANDIDATES, strict=True)]
+    for slot, which in enumerate([0, 1, 0]):  # each env samples its own action from its state's distribution
+        counts = torch.bincount(torch.tensor([step[slot] for step in sampled]), minlength=len(CANDIDATES[which]))
+        torch.testing.assert_close(counts / 200, expected[which].detach(), atol=0.12, rtol=0)
+    assert actor.choose(prompts, candidates, greedy=True) == [int(e.argmax()) for e in (*expected, expected[0])]
+    policy.version += 1  # the weights changed (an optimizer step or a load): the distributions are scored again
+    actor.choose(prompts, candidates)
+    assert scored_rows == [2, 2]

@@ -5,6 +5,7 @@ from llamagym import ppo
 from llamagym.config import PPOConfig, ReplayConfig
 from llamagym.policy import Policy
 from llamagym.rollout import Episode, Turn
+from llamagym.tiny import build_tiny_model
 from llamagym.trainer import PPOTrainer
 
 
@@ -69,8 +70,10 @@ def test_tiny_target_kl_stops_after_one_minibatch_and_says_so(model, lora_config
 
 
 def test_without_target_kl_every_minibatch_runs(model, lora_config, tokenizer):
-    stats = make_trainer(model, lora_config, tokenizer, target_kl=1e-9).step(make_episodes())
+    trainer = make_trainer(model, lora_config, tokenizer, target_kl=1e-9)
+    stats = trainer.step(make_episodes())
     assert stats["ppo/early_stopped"] == 0.0 and stats["ppo/minibatches"] == 6.0  # 6 turns / 2 x 2 epochs
+    assert trainer.policy.version == 6  # every applied step marks the weights as changed (act-time caches go stale)
 
 
 @pytest.mark.parametrize("truncated, expected", [(False, -1.0), (True, 0.0)])
@@ -176,3 +179,50 @@ def test_value_head_has_its_own_learning_rate(model, lora_config, tokenizer):
     groups = trainer.optimizer.param_groups
     assert [g["lr"] for g in groups] == [1e-4, 3e-3]
     assert {id(p) for p in groups[1]["params"]} == {id(p) for p in trainer.policy.value_head.parameters()}
+
+
+def repeated_episodes(scored: bool):
+    """7 one-turn episodes over 3 distinct inputs in no symmetric order, with different rewards (and choices)."""
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    episodes = []
+    for i, which in enumerate([0, 0, 1, 2, 2, 2, 1]):
+        prompt = prompts[which]
+        if scored:
+            candidates, choice = [[20, 21], [22]], (i // 2) % 2
+            turn = Turn(prompt, candidates[choice], float(i), candidates=candidates, choice=choice)
+        else:
+            turn = Turn(prompt, [30, 31], float(i))
+        episodes.append(Episode([turn]))
+    return episodes
+
+
+@pytest.mark.parametrize("scored", [False, True])
+def test_repeated_inputs_are_computed_once_with_the_same_update(model, lora_config, tokenizer, monkeypatch, scored):
+    from llamagym import trainer as trainer_module
+
+    def run(share: bool):
+        if not share:
+            monkeypatch.setattr(trainer_module, "distinct_inputs", lambda turns: torch.arange(len(turns)))
+        torch.manual_seed(0)  # the same LoRA and value-head initialisation in both runs
+        trainer = make_trainer(build_tiny_model(tokenizer, seed=0), lora_config, tokenizer, mini_batch_size=7)
+        rows = []
+        forward = trainer.policy.score if scored else trainer.policy.forward
+        counting = lambda batch, *a, **k: rows.append(batch.input_ids.shape[0]) or forward(batch, *a, **k)  # noqa: E731
+        if scored:
+            monkeypatch.setattr(trainer.policy, "score", counting)
+        else:
+            monkeypatch.setattr(
+                trainer.policy, "forward", lambda *a, **k: rows.append(a[0].shape[0]) or forward(*a, **k)
+            )
+        stats = trainer.step(repeated_episodes(scored))
+        monkeypatch.undo()
+        return stats, sum(rows), dict(trainer.policy.named_parameters())
+
+    shared_stats, shared_rows, shared = run(share=True)
+    alone_stats, alone_rows, alone = run(share=False)
+    assert shared_stats["ppo/distinct_turns"] == 3 and alone_stats["ppo/distinct_turns"] == 7
+    assert shared_rows == 4 * 3 and alone_rows == 4 * 7  # old, reference, 2 epochs: 3 inputs each instead of 7 rows
+    for name, param in shared.items():
+        torch.testing.assert_close(param, alone[name], rtol=1e-5, atol=1e-6, msg=name)
+    for key in ("ppo/policy_loss", "ppo/value_loss", "ppo/entropy"):
+        assert shared_stats[key] == pytest.approx(alone_stats[key], rel=1e-4, abs=1e-6)
