@@ -44,3 +44,24 @@ def test_blackjack_smoke_run_trains_and_writes_metrics_and_adapter(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and all("ppo/policy_loss" in line for line in lines)  # 4 hands, 2 per update
     assert (tmp_path / "run" / "checkpoint" / "adapter_model.safetensors").exists()
+
+
+def test_textworld_smoke_run_trains_and_writes_metrics_adapter_and_eval(tmp_path):
+    pytest.importorskip("textworld")  # the optional extra: scripts/bootstrap.py --extras textworld
+    run = tmp_path / "run"
+    result = run_example(
+        "text-world.py",
+        *("--model", "tiny-random", "--device", "cpu", "--episodes", "4", "--num-envs", "2", "--batch-size", "2"),
+        *("--max-steps", "3", "--world-size", "1", "--nb-objects", "2", "--quest-length", "1", "--eval-episodes", "2"),
+        *("--output-dir", str(run)),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert lines and all("ppo/policy_loss" in line for line in lines)
+    assert lines[-1]["episodes"] >= 2
+    assert (run / "checkpoint" / "adapter_model.safetensors").exists()
+    for name in ("eval_before.json", "eval.json"):
+        evaluation = json.loads((run / name).read_text())
+        assert evaluation["sampled"]["n"] == 2 and 0 <= evaluation["sampled"]["win_rate"] <= 1
+        assert evaluation["greedy"]["steps"] <= 3
