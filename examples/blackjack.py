@@ -79,13 +79,19 @@ def parse_args():
     parser.add_argument("--max-updates", type=int, default=0, help="stop (checkpointed) after N updates; 0 = no limit")
     parser.add_argument("--eval-only", action="store_true", help="evaluate (and plot) the checkpoint, no training")
     parser.add_argument("--eval-episodes", type=int, default=0, help="also play N greedy hands (95%% CI)")
+    parser.add_argument("--eval-every", type=int, default=5, help="log the exact return every N updates (0 = off)")
     parser.add_argument("--wandb", action="store_true", help="log to Weights & Biases (also when WANDB_PROJECT set)")
     return parser.parse_args()
 
 
+def greedy_table(agent):
+    """The greedy action in each of the 280 states (batched greedy passes, nothing recorded)."""
+    return dict(zip(STATES, agent.predict(STATES), strict=True))
+
+
 def evaluate(agent, args, output_dir, returns, name="eval"):
     """Exact expected return of the greedy policy, optional sampled check, JSON and both pictures."""
-    table = dict(zip(STATES, agent.predict(STATES), strict=True))  # one batched greedy pass over all 280 states
+    table = greedy_table(agent)
     result = {"exact": exact_return(table), "references": reference_returns(), "episodes_trained": len(returns)}
     if args.eval_episodes:
         env = gym.make("Blackjack-v1", natural=False, sab=False)
@@ -228,6 +234,11 @@ def main():
                     elapsed_s=time.time() - start,
                     running_return=float(np.mean(recent)),
                 )
+                if args.eval_every and updates % args.eval_every == 0:
+                    stats["eval/exact_return"] = exact_return(greedy_table(agent))["expected_return"]
+                    progress.write(
+                        f"update {updates}: exact return of the greedy policy {stats['eval/exact_return']:+.4f}"
+                    )
                 metrics.write(json.dumps(stats) + "\n")
                 metrics.flush()
                 if run is not None:
