@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .devices import resolve_precision
+from .frozen import FrozenLayerCache, frozen_prefix_layers, probe
 from .ppo import entropy_from_logits, logprobs_from_logits
 from .registry import GENERIC_SPEC, ModelSpec
 from .rollout import ScoreBatch
@@ -82,6 +83,9 @@ class Policy(nn.Module):
         precision: "bf16" runs every forward under bf16 autocast (weights and the value head stay fp32), "fp32"
             runs plain, "auto" picks bf16 where it is native (see `devices.resolve_precision`). Acting, old,
             reference and new log-probs all use this one setting, so the PPO ratio compares like with like.
+        frozen_cache_mb: with `lora_layers`, keep up to this many MiB of the hidden states that leave the frozen
+            layers below the adapter, one per distinct input (see `frozen.FrozenLayerCache`): repeated inputs then
+            run the adapted layers only. 0 turns it off. Used only where a probe shows the split is exact.
     """
 
     def __init__(
@@ -91,6 +95,7 @@ class Policy(nn.Module):
         full_finetune: bool = False,
         precision: str = "fp32",
         lora_layers: int | None = None,
+        frozen_cache_mb: float = 512,
     ):
         super().__init__()
         self.full_finetune = full_finetune
@@ -117,6 +122,7 @@ class Policy(nn.Module):
         self.precision = resolve_precision(precision, self.device)
         # Gemma-2-style logit soft-capping lives in the causal LM's forward, so the LM-head shortcut would skip it.
         self._full_forward = getattr(text_config, "final_logit_softcapping", None) is not None
+        self.frozen_cache = self._frozen_cache(frozen_cache_mb, text_config.vocab_size)
         self.temperature = 1.0  # sampling temperature; log-probs are scored under the same one
         self.version = 0  # bumped whenever the weights change (optimizer step, load): outputs cached by it go stale
         self.eval()  # dropout stays off: old, reference and new log-probs come from one computation path
@@ -149,10 +155,23 @@ class Policy(nn.Module):
         """The autocast context every forward of this policy runs in (a no-op at fp32)."""
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
 
+    def _frozen_cache(self, megabytes: float, vocab_size: int) -> FrozenLayerCache | None:
+        """The frozen-layer cache when only top layers train and the split is exact for this model, else None."""
+        if megabytes <= 0 or self.full_finetune or self._full_forward:
+            return None
+        decoder = self.causal_lm().get_decoder()
+        start = frozen_prefix_layers(self.model, decoder)
+        if start == 0:
+            return None
+        cache = FrozenLayerCache(decoder, start, int(megabytes * 2**20))
+        return cache if probe(cache, vocab_size) else None
+
     def _hidden(self, input_ids, attention_mask, reference: bool, position_ids=None, prefix: int = 0):
         lm = self.causal_lm(reference)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         with self.autocast():
+            if self.frozen_cache is not None:  # the reference (adapter off) shares the frozen layers, so the cache
+                return self.frozen_cache(input_ids, attention_mask, position_ids), None
             if self._full_forward:
                 out = lm(**inputs, output_hidden_states=True)
                 return out.hidden_states[-1], out.logits

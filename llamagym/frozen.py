@@ -1,0 +1,140 @@
+"""Reuse the output of the frozen lower layers across forward passes.
+
+With LoRA on the top layers only (`Policy(lora_layers=N)`), nothing below the lowest adapted layer ever changes:
+the hidden state entering that layer is a function of the input alone. `FrozenLayerCache` computes it once per
+distinct input and keeps it, so later passes (acting, old, reference and new log-probs, every epoch) run the
+adapted layers only. A game with few distinct observations (Blackjack has 280) then trains at the cost of the
+top layers.
+
+The split runs the decoder twice with its layer list cut (`layers[:start]`, then `layers[start:]` fed the cached
+states as `inputs_embeds`), so the model's own mask and rotary code is used unchanged. `probe` checks the split
+against a plain forward once per model; an architecture where it does not match simply runs without the cache.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+
+class FrozenLayerCache:
+    """Hidden states entering decoder layer `start`, per distinct input row, bounded by `max_bytes` (LRU).
+
+    Args:
+        decoder: the transformers decoder (`.layers`, `.norm`), e.g. `LlamaModel`.
+        start: index of the lowest layer with trainable weights; layers below it must be frozen.
+        max_bytes: memory budget of the kept states; the least recently used are dropped past it.
+    """
+
+    def __init__(self, decoder: nn.Module, start: int, max_bytes: int):
+        self.decoder, self.start, self.max_bytes = decoder, start, max_bytes
+        self.entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.size = 0  # bytes held
+        self.hits = self.misses = 0
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids=None) -> torch.Tensor:
+        """Last hidden states (B, L, H) of right-padded rows, as the full decoder would give them at real tokens.
+
+        `attention_mask` is (B, L) (1 on real tokens) or a 4D (B, 1, L, L) boolean mask in which every real token
+        sees the first one and padding sees itself only (`rollout.collate_scored`).
+        """
+        lengths = _lengths(attention_mask)
+        keys = [_key(input_ids, attention_mask, position_ids, i, n) for i, n in enumerate(lengths)]
+        states = {key: self.entries[key] for key in keys if key in self.entries}
+        missing = list({key: i for i, key in enumerate(keys) if key not in states}.values())  # one row per input
+        self.hits += len(set(states))
+        self.misses += len(missing)
+        for key in states:
+            self.entries.move_to_end(key)
+        if missing:
+            rows = torch.tensor(missing, device=input_ids.device)
+            bottom = self._run(
+                slice(0, self.start), attention_mask[rows], position_ids, rows, input_ids=input_ids[rows]
+            )
+            for k, i in enumerate(missing):
+                states[keys[i]] = bottom[k, : lengths[i]].detach()
+                self._put(keys[i], states[keys[i]])
+        first = states[keys[0]]
+        hidden = first.new_zeros((len(keys), input_ids.shape[1], first.shape[-1]))
+        for i, key in enumerate(keys):
+            hidden[i, : lengths[i]] = states[key]
+        return self._run(slice(self.start, None), attention_mask, position_ids, None, inputs_embeds=hidden)
+
+    def _run(self, layers: slice, attention_mask, position_ids, rows, **inputs) -> torch.Tensor:
+        """The decoder with only `layers`: the states entering the final norm (bottom) or the last hidden states."""
+        if position_ids is not None and rows is not None:
+            position_ids = position_ids[rows]
+        full = self.decoder.layers
+        captured = {}
+        hook = None
+        if layers.start == 0:  # the bottom part: keep what enters the final norm, i.e. leaves layer start - 1
+            hook = self.decoder.norm.register_forward_pre_hook(lambda module, args: captured.setdefault("h", args[0]))
+        self.decoder.layers = nn.ModuleList(list(full)[layers])
+        try:
+            out = self.decoder(**inputs, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        finally:
+            self.decoder.layers = full
+            if hook is not None:
+                hook.remove()
+        return captured["h"] if hook is not None else out.last_hidden_state
+
+    def _put(self, key: bytes, state: torch.Tensor) -> None:
+        self.entries[key] = state
+        self.size += state.numel() * state.element_size()
+        while self.size > self.max_bytes and len(self.entries) > 1:
+            _, dropped = self.entries.popitem(last=False)
+            self.size -= dropped.numel() * dropped.element_size()
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.size = 0
+
+
+def _lengths(attention_mask: torch.Tensor) -> list[int]:
+    """Real tokens per right-padded row: the 2D mask's ones, or the positions that see the first token (4D)."""
+    if attention_mask.dim() == 2:
+        return attention_mask.sum(dim=1).tolist()
+    return attention_mask[:, 0, :, 0].sum(dim=1).tolist()
+
+
+def _key(input_ids, attention_mask, position_ids, i: int, n: int) -> bytes:
+    """Everything the frozen layers see of row i's first n tokens: ids, positions and (4D) mask."""
+    parts = [input_ids[i, :n].cpu().numpy().tobytes()]
+    if position_ids is not None:
+        parts.append(position_ids[i, :n].cpu().numpy().tobytes())
+    if attention_mask.dim() == 4:
+        parts.append(attention_mask[i, 0, :n, :n].cpu().numpy().tobytes())
+    return b"|".join(parts)
+
+
+def frozen_prefix_layers(model: nn.Module, decoder: nn.Module) -> int:
+    """How many of the decoder's lowest layers hold no trainable weight (0 when the embeddings train too)."""
+    if any(p.requires_grad for p in decoder.get_input_embeddings().parameters()):
+        return 0
+    for index, layer in enumerate(decoder.layers):
+        if any(p.requires_grad for p in layer.parameters()):
+            return index
+    return 0  # nothing trains in the decoder: no split needed
+
+
+@torch.no_grad()
+def probe(cache: FrozenLayerCache, vocab_size: int) -> bool:
+    """Whether the split forward equals a plain forward on this architecture (two short rows, 2D and 4D masks)."""
+    decoder = cache.decoder
+    if not hasattr(decoder, "layers") or not hasattr(decoder, "norm"):
+        return False
+    ids = torch.arange(3, 10, device=next(decoder.parameters()).device)[None].repeat(2, 1) % vocab_size
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    try:
+        plain = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        split = cache(ids, mask)
+    except Exception:  # an architecture whose decoder cannot run a cut layer list: no cache
+        return False
+    finally:
+        cache.clear()
+        cache.hits = cache.misses = 0
+    real = mask.bool()
+    return bool(torch.allclose(plain[real].float(), split[real].float(), atol=1e-4, rtol=1e-4))

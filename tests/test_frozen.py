@@ -1,0 +1,76 @@
+"""The frozen-layer cache: with LoRA on the top layers, repeated inputs skip the layers below, exactly."""
+
+import contextlib
+
+import pytest
+import torch
+
+from llamagym.policy import Policy
+from llamagym.rollout import Turn, collate, collate_scored
+from llamagym.tiny import build_tiny_model
+
+PROMPTS = [[257, 50, 51, 256, 259], [257, 52, 256, 258, 53, 256, 259], [257, 50, 51, 256, 259]]
+CANDIDATES = [[[60, 61, 256], [70, 256]], [[80, 256], [81, 82, 83, 256], [84, 256]], [[60, 61, 256], [70, 256]]]
+
+
+def twin_policies(tokenizer, lora_config, precision="fp32"):
+    """The same top-layer adapter twice: with the cache, and without it."""
+    policies = []
+    for megabytes in (512, 0):
+        torch.manual_seed(0)
+        model = build_tiny_model(tokenizer, seed=0)  # 2 layers
+        policies.append(Policy(model, lora_config, precision=precision, lora_layers=1, frozen_cache_mb=megabytes))
+    return policies
+
+
+def test_the_cache_is_on_only_when_lower_layers_are_frozen(tokenizer, lora_config):
+    cached, plain = twin_policies(tokenizer, lora_config)
+    assert cached.frozen_cache is not None and cached.frozen_cache.start == 1 and plain.frozen_cache is None
+    assert Policy(build_tiny_model(tokenizer, seed=0), lora_config).frozen_cache is None  # every layer adapted
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_scores_values_and_gradients_match_the_plain_forward_and_repeats_hit_the_cache(
+    tokenizer, lora_config, precision
+):
+    cached, plain = twin_policies(tokenizer, lora_config, precision)
+    batch = collate_scored(PROMPTS, CANDIDATES, pad_token_id=256)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if precision == "fp32" else {"atol": 2e-2, "rtol": 2e-2}
+    outs = []
+    for policy in (cached, plain):
+        out = policy.score(batch)
+        finite = out.logprobs.isfinite()
+        (out.logprobs[finite].sum() + out.values.sum()).backward()
+        outs.append(out)
+    assert cached.frozen_cache.misses == 2 and cached.frozen_cache.hits == 0  # rows 0 and 2: one input, run once
+    torch.testing.assert_close(outs[0].logprobs, outs[1].logprobs, **tolerance)
+    torch.testing.assert_close(outs[0].values, outs[1].values, **tolerance)
+    for (name, a), (_, b) in zip(cached.named_parameters(), plain.named_parameters(), strict=True):
+        if a.requires_grad:
+            assert a.grad is not None and a.grad.abs().sum() > 0, name
+            torch.testing.assert_close(a.grad, b.grad, **tolerance, msg=name)
+    again = cached.score(batch)
+    assert cached.frozen_cache.hits == 2 and cached.frozen_cache.misses == 2
+    torch.testing.assert_close(again.logprobs, outs[0].logprobs.detach(), atol=0, rtol=0)
+
+
+def test_generated_turns_match_and_the_reference_shares_the_cache(tokenizer, lora_config):
+    cached, plain = twin_policies(tokenizer, lora_config)
+    batch = collate([Turn([257, 50, 51, 259], [60, 61, 256]), Turn([257, 52, 259], [70, 256])], pad_token_id=256)
+    for reference in (False, True):
+        with contextlib.ExitStack() as stack:
+            if reference:  # adapter off: the frozen layers are the same, so the cached states serve the reference
+                stack.enter_context(cached.reference())
+                stack.enter_context(plain.reference())
+            a, b = cached(*batch, reference=reference), plain(*batch, reference=reference)
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-5)
+    assert cached.frozen_cache.misses == 2 and cached.frozen_cache.hits == 2
+
+
+def test_memory_stays_within_the_budget(tokenizer, lora_config):
+    cached, _ = twin_policies(tokenizer, lora_config)
+    cache = cached.frozen_cache
+    cache.max_bytes = 1  # room for one entry at a time (the newest is always kept)
+    cached.score(collate_scored(PROMPTS[:2], CANDIDATES[:2], pad_token_id=256))
+    assert len(cache.entries) == 1 and cache.size == next(iter(cache.entries.values())).numel() * 4
