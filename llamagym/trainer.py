@@ -16,6 +16,7 @@ small step.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import defaultdict
 
@@ -144,7 +145,6 @@ class PPOTrainer:
                 "ppo/epochs_completed": done / len(plans[0]),
                 "ppo/minibatches": float(done),
                 "ppo/skipped_updates": float(self.skipped_updates),
-                "ppo/explained_variance": float(ppo.explained_variance(old_values, returns, torch.ones_like(returns))),
                 "ppo/advantages_mean": float(advantages.mean()),
                 "ppo/returns_mean": float(returns.mean()),
                 "ppo/values_mean": float(old_values.mean()),
@@ -158,6 +158,9 @@ class PPOTrainer:
                 **sft_stats,
             }
         )
+        explained = float(ppo.explained_variance(old_values, returns, torch.ones_like(returns)))
+        if math.isfinite(explained):  # undefined when every return is equal: left out, so metrics stay strict JSON
+            result["ppo/explained_variance"] = explained
         return result
 
     # ---- pieces ----------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ def test_one_step_is_finite_moves_lora_and_value_head_and_leaves_base_bit_identi
     trainer = make_trainer(model, lora_config, tokenizer, precision)
     before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
     stats = trainer.step(make_episodes())
-    assert all(torch.isfinite(torch.tensor(v)) for k, v in stats.items() if k != "ppo/explained_variance")
+    assert all(torch.isfinite(torch.tensor(v)) for v in stats.values())
     for name, param in trainer.policy.named_parameters():
         changed = not torch.equal(before[name], param)
         if "lora_" in name or name.startswith("value_head."):
