@@ -73,6 +73,7 @@ def parse_args():
     p.add_argument("--iters", type=int, default=4, help="timed batched steps of the N>1 runs")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before each timed run")
     p.add_argument("--ppo-turns", type=int, default=64, help="turns in the PPO updates of (d)")
+    p.add_argument("--sharing-turns", type=int, default=256, help="turns in the updates of (h)")
     p.add_argument("--repeats", type=int, default=7, help="repeats of the forward and matmul timings (median)")
     p.add_argument("--lora-layers", type=int, default=8, help="adapted top layers of modes (b)-(d), as the example")
     p.add_argument("--rss-updates", type=int, default=3, help="updates of the training run whose peak RSS is (e)")
@@ -171,9 +172,35 @@ def time_update(name, agent, episodes):
     agent.trainer.step(episodes[:2])  # warm-up: first-call costs (optimizer state, kernels)
     stats = agent.trainer.step(episodes)
     cfg, turns, seconds = agent.ppo_config, int(stats["ppo/num_turns"]), stats["time/update_s"]
-    row = {"mode": name, "turns": turns, "ppo_epochs": cfg.ppo_epochs, "mini_batch_size": cfg.mini_batch_size}
+    row = {"mode": name, "turns": turns, "distinct": int(stats["ppo/distinct_turns"]), "ppo_epochs": cfg.ppo_epochs}
+    row["mini_batch_size"] = cfg.mini_batch_size
     row |= {"precision": agent.policy.precision, "update_s": seconds, "samples_per_s": turns / seconds}
     return row | {"peak_rss_gib": rss_gib()[1]}
+
+
+def time_sharing(agent, episodes):
+    """(h) The same update with the repeated-input savings off, then on, side by side (see README, Training)."""
+    from llamagym import trainer as trainer_module
+
+    share, cache = trainer_module.distinct_inputs, agent.policy.frozen_cache
+    rows = []
+    for label, on in (
+        ("off: every turn computed, all layers", False),
+        ("on: distinct inputs, frozen-layer cache", True),
+    ):
+        if not on:
+            trainer_module.distinct_inputs = lambda turns: torch.arange(len(turns))
+            agent.policy.frozen_cache = None
+        elif cache is not None:
+            cache.clear()  # a cold cache: in a run, acting has usually filled it already
+        try:
+            row = time_update(f"(h) sharing {label}", agent, episodes)
+        finally:
+            trainer_module.distinct_inputs, agent.policy.frozen_cache = share, cache
+        rows.append(row)
+    rows[1]["x_off"] = rows[1]["samples_per_s"] / rows[0]["samples_per_s"]
+    rows[0]["x_off"] = 1.0
+    return rows
 
 
 def median_seconds(fn, repeats, warmup=2):
@@ -209,8 +236,12 @@ def scoring_forward_gflops(agent, turns, repeats):
     tokens = sum(len(p) + sum(len(c) for c in cands) for p, cands in zip(prompts, candidates, strict=True))
     head_positions = int((batch.owner >= 0).sum())
     flops = 2 * params * tokens + 2 * hidden * vocab * head_positions
-    with torch.no_grad():
-        seconds = median_seconds(lambda: policy.score(batch), repeats, warmup=1)
+    cache, policy.frozen_cache = policy.frozen_cache, None  # every layer really runs: the FLOPs counted above
+    try:
+        with torch.no_grad():
+            seconds = median_seconds(lambda: policy.score(batch), repeats, warmup=1)
+    finally:
+        policy.frozen_cache = cache
     return {
         "rows": len(turns),
         "tokens": tokens,
@@ -311,12 +342,15 @@ def main():
         agent = agents[mode, n]
         updates.append(time_update(f"(d) {mode}, from N={n}", agent, take_turns(agent.batch, args.ppo_turns)))
 
+    # (h) the same scoring update without and with the repeated-input savings
+    scorer = agents["score", n_score]
+    sharing = time_sharing(scorer, take_turns(scorer.batch, args.sharing_turns))
+
     # (e) the training run's peak RSS was measured first (see above); this process holds no reference copy.
     all_agents = [baseline, *agents.values()]
     memory["reference_copies"] = sum(a.policy.reference_model is not None for a in all_agents)
 
     # (f) the scoring forward vs a plain matmul of the same precision.
-    scorer = agents["score", n_score]
     forward = scoring_forward_gflops(scorer, [t for e in scorer.batch for t in e.turns][:n_score], args.repeats)
     matmul = {
         name: matmul_gflops(dtype, args.repeats) for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
@@ -374,12 +408,13 @@ def main():
     )
     print(f"    plain 2048^3 matmul: fp32 {matmul['fp32']:.0f} GFLOP/s, bf16 {matmul['bf16']:.0f} GFLOP/s")
     print_table("(g) the issue's targets", targets)
+    print_table("(h) one scoring update, repeated-input savings off / on (distinct_turns of num_turns)", sharing)
 
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     config = vars(args) | {"torch": torch.__version__, "cores": os.cpu_count(), "load_s": load_s, "loadavg": loadavg}
     result = {"config": config, "rollout": rollouts, "ppo_update": updates, "memory": memory}
-    result |= {"scoring_forward": forward, "matmul_gflops": matmul, "targets": targets}
+    result |= {"scoring_forward": forward, "matmul_gflops": matmul, "targets": targets, "sharing": sharing}
     output.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {output}")
 
