@@ -46,6 +46,8 @@ class Agent(ABC):
         lora_config: a `peft.LoraConfig`; None uses the registry defaults for this model.
         lora_layers: adapt only the top N transformer layers (training's backward pass stops there; about 2x
             faster on a CPU). None adapts every layer.
+        frozen_cache_mb: with `lora_layers`, memory for the hidden states leaving the frozen layers, kept per
+            distinct prompt so repeated ones run the adapted layers only (exact); 0 turns it off.
         full_finetune: train every weight instead of a LoRA adapter (keeps a frozen reference copy).
         sft_warm_start: keep the best episodes and imitate them after each PPO update.
         use_target_kl: overrides `ppo_config.use_target_kl` (early-stop updates past 1.5 x target_kl).
@@ -83,6 +85,7 @@ class Agent(ABC):
         action_mode: str = "auto",
         precision: str = "auto",
         lora_layers: int | None = None,
+        frozen_cache_mb: float = 512,
     ):
         if action_mode not in ACTION_MODES:
             raise ValueError(f"`action_mode` should be one of {', '.join(ACTION_MODES)}. Received {action_mode!r}.")
@@ -107,7 +110,9 @@ class Agent(ABC):
                 f"The system prompt alone takes {system_tokens} tokens with the chat template, more than "
                 f"`max_prompt_tokens`={max_prompt_tokens}. Raise max_prompt_tokens or shorten get_system_prompt()."
             )
-        self.policy = Policy(model, lora_config, full_finetune, precision, lora_layers)
+        if not isinstance(frozen_cache_mb, (int, float)) or isinstance(frozen_cache_mb, bool) or frozen_cache_mb < 0:
+            raise ValueError(f"`frozen_cache_mb` should be a number >= 0. Received {frozen_cache_mb!r}.")
+        self.policy = Policy(model, lora_config, full_finetune, precision, lora_layers, frozen_cache_mb)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = eos_ids(tokenizer, model)
         self.generation = generation_settings(self.spec, generation_config or {})

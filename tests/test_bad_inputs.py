@@ -242,6 +242,8 @@ CASES = [
         ValueError, "`action_mode` should be one of auto, generate, score. Received 'sample'."),
     row("agent-unknown-precision", lambda c: c.agent(precision="fp16"),
         ValueError, "`precision` should be one of auto, fp32, bf16. Received 'fp16'."),
+    row("agent-negative-frozen-cache", lambda c: c.agent(frozen_cache_mb=-1),
+        ValueError, "`frozen_cache_mb` should be a number >= 0. Received -1."),
     row("agent-top-p", lambda c: c.agent(generation_config={"top_p": 0.9}),
         ValueError, "`generation_config['top_p']` is not supported: PPO must score the distribution it samples"),
     row("agent-max-new-tokens-zero", lambda c: c.agent(generation_config={"max_new_tokens": 0}),

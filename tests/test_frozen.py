@@ -74,3 +74,11 @@ def test_memory_stays_within_the_budget(tokenizer, lora_config):
     cache.max_bytes = 1  # room for one entry at a time (the newest is always kept)
     cached.score(collate_scored(PROMPTS[:2], CANDIDATES[:2], pad_token_id=256))
     assert len(cache.entries) == 1 and cache.size == next(iter(cache.entries.values())).numel() * 4
+
+
+def test_the_agent_turns_the_cache_on_with_lora_layers_and_off_with_zero_megabytes(model, tokenizer, lora_config):
+    from tests.test_agent import make_agent
+
+    assert make_agent(model, tokenizer, lora_config, lora_layers=1).policy.frozen_cache is not None
+    plain = build_tiny_model(tokenizer, seed=0)
+    assert make_agent(plain, tokenizer, lora_config, lora_layers=1, frozen_cache_mb=0).policy.frozen_cache is None
