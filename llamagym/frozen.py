@@ -109,7 +109,7 @@ def _key(input_ids, attention_mask, position_ids, i: int, n: int) -> bytes:
     return b"|".join(parts)
 
 
-def frozen_prefix_layers(model: nn.Module, decoder: nn.Module) -> int:
+def frozen_prefix_layers(decoder: nn.Module) -> int:
     """How many of the decoder's lowest layers hold no trainable weight (0 when the embeddings train too)."""
     if any(p.requires_grad for p in decoder.get_input_embeddings().parameters()):
         return 0
@@ -121,7 +121,7 @@ def frozen_prefix_layers(model: nn.Module, decoder: nn.Module) -> int:
 
 @torch.no_grad()
 def probe(cache: FrozenLayerCache, vocab_size: int) -> bool:
-    """Whether the split forward equals a plain forward on this architecture (two short rows, 2D and 4D masks)."""
+    """Whether the split forward equals a plain forward on this architecture (two short right-padded rows)."""
     decoder = cache.decoder
     if not hasattr(decoder, "layers") or not hasattr(decoder, "norm"):
         return False

@@ -160,7 +160,7 @@ class Policy(nn.Module):
         if megabytes <= 0 or self.full_finetune or self._full_forward:
             return None
         decoder = self.causal_lm().get_decoder()
-        start = frozen_prefix_layers(self.model, decoder)
+        start = frozen_prefix_layers(decoder)
         if start == 0:
             return None
         cache = FrozenLayerCache(decoder, start, int(megabytes * 2**20))
@@ -170,7 +170,7 @@ class Policy(nn.Module):
         lm = self.causal_lm(reference)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         with self.autocast():
-            if self.frozen_cache is not None:  # the reference (adapter off) shares the frozen layers, so the cache
+            if self.frozen_cache is not None:  # the reference (adapter off) has the same frozen layers: cached too
                 return self.frozen_cache(input_ids, attention_mask, position_ids), None
             if self._full_forward:
                 out = lm(**inputs, output_hidden_states=True)
