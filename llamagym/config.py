@@ -44,7 +44,7 @@ class PPOConfig:
     value_learning_rate: float | None = None  # AdamW step size for the value head; None = learning_rate
     batch_size: int = 8  # episodes collected before each PPO update
     mini_batch_size: int = 8  # turns per optimizer step (more than a batch holds = one full-batch step an epoch)
-    micro_batch_size: int | None = 8  # turns per forward/backward within a step (bounds memory); None = all
+    micro_batch_size: int | None = 8  # distinct inputs per forward/backward within a step (bounds memory); None = all
     ppo_epochs: int = 2  # passes over the batch per update
     gamma: float = 1.0  # discount across the turns of an episode
     lam: float = 0.95  # GAE lambda (1 = Monte-Carlo return, 0 = one-step TD)
