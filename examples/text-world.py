@@ -160,9 +160,7 @@ def evaluate(agent, env_id, args, output_dir, name, episodes_trained=0):
     result = {"greedy": greedy, "episodes_trained": episodes_trained}
     if args.eval_episodes:
         episodes = [play(False, 10**6 + i) for i in range(args.eval_episodes)]
-        summary = summarize_returns([e["return"] for e in episodes])
-        for key in ("win", "draw", "loss"):  # its names for returns of 1, 0, -1: here a 0 is a lost (timed-out) game
-            summary.pop(key, None)
+        summary = summarize_returns([e["return"] for e in episodes], outcomes=False)  # a 0 is a lost game here
         result["sampled"] = {
             **summary,
             "win_rate": float(np.mean([e["won"] for e in episodes])),

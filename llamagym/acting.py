@@ -96,7 +96,9 @@ class Actor:
                 pad_token_id=self.pad_token_id,
                 device=self.policy.device,
             )
-            prefix = shared_prefix(todo) if len(todo) > 1 and self.reuse_prefix else 0
+            # the frozen-layer cache already skips the shared layers: the prefix KV reuse would go unused
+            reuse = self.reuse_prefix and len(todo) > 1 and self.policy.frozen_cache is None
+            prefix = shared_prefix(todo) if reuse else 0
             logprobs = self.policy.score(batch, prefix=prefix).logprobs.float().cpu()
             if len(self._scores) + len(missing) > self.score_cache_size:
                 self._scores.clear()

@@ -17,7 +17,7 @@ from typing import Any
 Z_95 = 1.959963984540054  # two-sided 95% quantile of the standard normal
 
 
-def summarize_returns(returns: Sequence[float], max_rates: int = 10) -> dict[str, Any]:
+def summarize_returns(returns: Sequence[float], max_rates: int = 10, outcomes: bool = True) -> dict[str, Any]:
     """Mean, standard deviation and a 95% confidence interval of the mean, plus outcome rates.
 
     The interval is the normal approximation mean ± 1.96·std/√n with the sample std (ddof=1); it is fine for a few
@@ -26,11 +26,13 @@ def summarize_returns(returns: Sequence[float], max_rates: int = 10) -> dict[str
     Args:
         returns: one return per episode.
         max_rates: report `rates` only when there are at most this many distinct return values.
+        outcomes: name the returns +1, 0, -1 win, draw and loss (as in Blackjack); False where they mean something
+            else (e.g. a score of 0 is a lost game).
 
     Returns:
         `{"mean", "std", "stderr", "n", "ci_low", "ci_high"}` (floats, `n` an int); plus
         `"rates": {value: fraction}` (float keys, sorted) when the returns take at most `max_rates` values; plus
-        `"win"`, `"draw"`, `"loss"` (the fractions of +1, 0 and -1) when every return is in {-1, 0, 1}.
+        `"win"`, `"draw"`, `"loss"` (the fractions of +1, 0 and -1) when `outcomes` and every return is in {-1, 0, 1}.
 
     Raises:
         ValueError: `returns` is empty or holds a non-finite value.
@@ -57,7 +59,7 @@ def summarize_returns(returns: Sequence[float], max_rates: int = 10) -> dict[str
         counts[v] = counts.get(v, 0) + 1
     if len(counts) <= max_rates:
         stats["rates"] = {v: counts[v] / n for v in sorted(counts)}
-    if set(counts) <= {-1.0, 0.0, 1.0}:
+    if outcomes and set(counts) <= {-1.0, 0.0, 1.0}:
         stats.update({name: counts.get(v, 0) / n for name, v in (("win", 1.0), ("draw", 0.0), ("loss", -1.0))})
     return stats
 

@@ -79,3 +79,9 @@ def test_save_json_failure_keeps_the_old_file(tmp_path):
             save_json(path, bad)
     assert json.loads(path.read_text()) == {"ok": 1}
     assert os.listdir(tmp_path) == ["eval.json"]
+
+
+def test_outcome_names_are_left_out_when_returns_are_not_win_draw_loss():
+    named, plain = summarize_returns([1.0, 0.0, 0.0]), summarize_returns([1.0, 0.0, 0.0], outcomes=False)
+    assert named["win"] == pytest.approx(1 / 3) and named["draw"] == pytest.approx(2 / 3)
+    assert "win" not in plain and "draw" not in plain and plain["rates"] == named["rates"]
