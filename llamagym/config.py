@@ -52,7 +52,7 @@ class PPOConfig:
     vf_clip_coef: float | None = None  # value clip range around the old value (None = unclipped)
     vf_coef: float = 0.5  # weight of the value loss
     ent_coef: float = 0.0  # weight of the entropy bonus on response tokens
-    max_grad_norm: float = 1.0  # global gradient-norm clip
+    max_grad_norm: float = 1.0  # global gradient-norm clip (with natural_gradient: of the adapter step itself)
     whiten_advantages: bool = True  # normalise advantages over the batch's turns (needs at least 2 turns)
     kl_coef: float = 0.05  # initial weight of the per-turn KL to the reference policy in the reward
     kl_estimator: str = "k1"  # per-token estimator of kl_ref: k1, k2 or k3
@@ -62,6 +62,9 @@ class PPOConfig:
     use_target_kl: bool = False  # stop an update early when approx_kl exceeds 1.5 x target_kl
     target_kl: float = 0.05  # approx_kl (new vs old policy) limit for early stopping
     weight_decay: float = 0.0  # AdamW weight decay
+    natural_gradient: bool = False  # PPO steps in function space over the minibatch's inputs (see llamagym.natural)
+    natural_step: float = 0.5  # natural_gradient: output move per unit of an input's per-turn output gradient
+    natural_damping: float = 0.1  # natural_gradient: relative damping (larger is closer to a plain gradient step)
     seed: int = 0  # seed of the minibatch shuffles and replay sampling
     max_skipped_updates: int = 10  # optimizer steps skipped in a row (non-finite loss/gradient) before the run stops
 
@@ -95,6 +98,9 @@ class PPOConfig:
                 "use_target_kl": (lambda v: isinstance(v, bool), "True or False"),
                 "target_kl": non_negative,
                 "weight_decay": non_negative,
+                "natural_gradient": (lambda v: isinstance(v, bool), "True or False"),
+                "natural_step": positive,
+                "natural_damping": positive,
                 "seed": (_int, "an integer"),
                 "max_skipped_updates": count,
             },

@@ -45,16 +45,23 @@ def _top_layers(lora_config: LoraConfig, model, count: int) -> LoraConfig:
 
 
 class ValueHead(nn.Module):
-    """V(s) from the last hidden state: an fp32 `Linear(hidden, 1)`, zero-initialised so values start at 0."""
+    """V(s) from the last hidden state: an fp32 `Linear(hidden, 1)`, zero-initialised so values start at 0.
+
+    With `detach_input` set, the value loss trains this head only, not the adapter below it (the natural-gradient
+    trainer steps the adapter on the policy loss alone).
+    """
 
     def __init__(self, hidden_size: int):
         super().__init__()
         self.linear = nn.Linear(hidden_size, 1, dtype=torch.float32)
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
+        self.detach_input = False
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., H) hidden states of any dtype -> (...) fp32 values (also under autocast)."""
+        if self.detach_input:
+            hidden = hidden.detach()
         with torch.autocast(hidden.device.type, enabled=False):
             return self.linear(hidden.float()).squeeze(-1)
 

@@ -19,11 +19,13 @@ import logging
 import math
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 
 import torch
 
 from . import ppo
 from .config import PPOConfig, ReplayConfig
+from .natural import RowGradients, natural_coefficients
 from .policy import Policy
 from .replay import SFTReplayBuffer, sft_loss
 from .rollout import (
@@ -68,6 +70,12 @@ class PPOTrainer:
         else:
             self.kl_controller = ppo.FixedKLController(config.kl_coef)
         self.replay = SFTReplayBuffer(replay_config) if replay_config is not None else None
+        # natural-gradient steps (see `natural`): per-input gradients of the policy loss, solved for jointly, move
+        # the adapter; the value head keeps its AdamW step on the value loss, which no longer reaches the adapter
+        self.lm_params = lm_params
+        self.row_gradients = RowGradients(policy, lm_params) if config.natural_gradient else None
+        policy.value_head.detach_input = config.natural_gradient
+        self._rows: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.generator = torch.Generator().manual_seed(config.seed)
         self.num_updates = 0
         self.skipped_updates = 0  # all skipped optimizer steps (reported as ppo/skipped_updates)
@@ -164,24 +172,28 @@ class PPOTrainer:
         return result
 
     # ---- pieces ----------------------------------------------------------------------------------------------
-    def _evaluate(self, batch, groups, part, reference: bool = False, with_entropy: bool = False):
+    def _evaluate(self, batch, groups, part, with_entropy: bool = False, watch=None, reference: bool = False):
         """(log-probs, mask, values, entropy) of the actions of rows `part`, shaped (P, T); T = 1 in scoring mode.
 
         Generated turns give one log-prob per response token; scored turns one per turn: log pi(chosen candidate).
         Rows with the same model input (`groups`) are computed once and shared: the result is the same, the cost
-        is that of the distinct inputs only.
+        is that of the distinct inputs only. `watch` (a `RowGradients.watch`) is given the per-input outputs.
         """
         distinct, inverse = torch.unique(groups[part], return_inverse=True)
         first = torch.full((len(distinct),), len(part)).scatter_reduce(0, inverse, torch.arange(len(part)), "amin")
         rows = select(batch, part[first])
         if isinstance(batch, ScoreBatch):
             out = self.policy.score(rows, reference=reference)
+            if watch is not None:
+                watch(out.logprobs)
             logprobs = out.logprobs[inverse]
             chosen = logprobs.gather(1, batch.choice[part][:, None])
             probs = logprobs.exp()
             entropy = -(probs * logprobs.masked_fill(probs == 0, 0.0)).sum(-1, keepdim=True)
             return chosen, torch.ones_like(chosen), out.values[inverse], entropy
         out = self.policy(*rows, reference=reference, with_entropy=with_entropy)
+        if watch is not None:
+            watch(out.logprobs)
         entropy = out.entropy[inverse] if out.entropy is not None else None
         return out.logprobs[inverse], rows.response_mask[inverse], out.values[inverse], entropy
 
@@ -213,8 +225,13 @@ class PPOTrainer:
         cfg, mask = self.config, _action_mask(batch)
         total_tokens, total_rows = mask[index].sum(), len(index)
         sums: dict[str, float] = defaultdict(float)
+        rows, self._rows, self._rows_turns = self.row_gradients, [], len(index)
+        if rows is not None:
+            rows.clear()
         for part in self._micro(groups, index):
-            logprobs, part_mask, values, entropy = self._evaluate(batch, groups, part, with_entropy=True)
+            with rows.recording() if rows is not None else nullcontext():
+                watch = rows.watch if rows is not None else None
+                logprobs, part_mask, values, entropy = self._evaluate(batch, groups, part, True, watch=watch)
             old = old_logprobs[part, : logprobs.shape[1]]
             token_share, row_share = part_mask.sum() / total_tokens, len(part) / total_rows
             part_advantages = advantages[part].unsqueeze(-1).expand_as(old)
@@ -225,8 +242,10 @@ class PPOTrainer:
             entropy = ppo.masked_mean(entropy, part_mask)
             approx_kl = ppo.approx_kl(logprobs, old, part_mask)
             loss = (pg_loss - cfg.ent_coef * entropy) * token_share + cfg.vf_coef * v_loss * row_share
-            if not self._backward(loss):
+            if not self._backward(loss):  # the per-input gradients are recorded by hooks set in the forward pass
                 return None
+            if rows is not None:
+                self._rows.append(rows.take())
             for key, value, share in (
                 ("ppo/policy_loss", pg_loss, token_share),
                 ("ppo/value_loss", v_loss, row_share),
@@ -281,6 +300,8 @@ class PPOTrainer:
 
     def _step(self, stats: dict[str, list[float]]) -> bool:
         """Clip and apply the accumulated gradient; a non-finite gradient skips the step, weights unchanged."""
+        if self.row_gradients is not None:
+            return self._natural_step(stats)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), self.config.max_grad_norm)
         if not torch.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
@@ -290,6 +311,39 @@ class PPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.consecutive_skips = 0
         stats["ppo/grad_norm"].append(float(grad_norm))
+        return True
+
+    @torch.no_grad()
+    def _natural_step(self, stats: dict[str, list[float]]) -> bool:
+        """Apply the natural-gradient step of the minibatch just back-propagated (see `natural`).
+
+        The step is scaled by the minibatch's turn count, so `natural_step` is the move of each input's outputs
+        per unit of its (per-turn) output gradient, whatever the minibatch size.
+        """
+        cfg = self.config
+        grads = torch.cat([g for g, _ in self._rows])
+        targets = torch.cat([t for _, t in self._rows])
+        self._rows = []
+        alpha = natural_coefficients(grads @ grads.T, targets, cfg.natural_damping)
+        direction = grads.T @ alpha.to(grads.dtype) * (cfg.natural_step * self._rows_turns)
+        norm = direction.norm()
+        if norm > cfg.max_grad_norm:  # a trust region: the linearisation holds for small parameter moves only
+            direction = direction * (cfg.max_grad_norm / norm)
+        value_params = list(self.policy.value_head.parameters())
+        value_norm = torch.nn.utils.clip_grad_norm_(value_params, cfg.max_grad_norm)
+        if not (torch.isfinite(norm) and torch.isfinite(value_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            return self._skip(f"non-finite natural-gradient step (norm {float(norm)}, value head {float(value_norm)})")
+        offset = 0
+        for p in self.lm_params:
+            p.grad = None  # the plain gradient, accumulated as well, is not used
+            p.sub_(direction[offset : offset + p.numel()].view_as(p).to(p.dtype))
+            offset += p.numel()
+        self.optimizer.step()  # the value head's AdamW step
+        self.optimizer.zero_grad(set_to_none=True)
+        self.policy.version += 1
+        self.consecutive_skips = 0
+        stats["ppo/grad_norm"].append(float(norm))
         return True
 
     def _skip(self, why: str) -> bool:

@@ -227,6 +227,8 @@ CASES = [
         ValueError, "`kl_estimator` should be one of k1, k2, k3. Received 'k4'."),
     row("config-flag-not-bool", lambda c: PPOConfig(whiten_advantages="yes"),
         ValueError, "`whiten_advantages` should be True or False. Received 'yes'."),
+    row("config-natural-damping-zero", lambda c: PPOConfig(natural_damping=0),
+        ValueError, "`natural_damping` should be a number > 0. Received 0."),
     row("config-max-skipped-updates-zero", lambda c: PPOConfig(max_skipped_updates=0),
         ValueError, "`max_skipped_updates` should be an integer >= 1. Received 0."),
     row("replay-top-fraction-zero", lambda c: ReplayConfig(top_fraction=0),

@@ -1,0 +1,143 @@
+"""Natural-gradient PPO steps: move each input's outputs where its own loss asks, not where the batch mean pulls.
+
+Why: a small LM encodes the states of a simple game as nearly one vector (SmolLM2-135M's last hidden states of the
+280 Blackjack prompts have a mean cosine similarity of 0.996). The model's neural tangent kernel over those inputs
+is then close to rank one, so a plain (or Adam) gradient step moves every state's logits together by the batch's
+mean advantage, and the policy collapses to the action that is best on average (always "stick") before the small,
+state-specific part of the gradient can separate the states.
+
+The fix is a Gauss-Newton step in function space over the minibatch's distinct inputs. With g_i the gradient of
+input i's share of the loss and c_i the gradient of that loss with respect to i's outputs (candidate log-probs or
+token log-probs, and the value), the step is
+
+    delta = -step * G^T alpha,   (K + damping * mean(K_ii / t_i) * diag(t)) alpha = t,   K = G G^T, t_i = |c_i|^2
+
+that is, the smallest parameter change that decreases each input's loss as a step of `step` along -c_i in its
+output space would, with every input's change solved for jointly (K is small: one row per distinct input).
+`RowGradients` collects the per-input gradients g_i in the same backward pass as the plain gradient, from hooks
+on the trainable `nn.Linear` modules (LoRA A/B and the value head): no extra forward or backward pass.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+
+class RowGradients:
+    """Per-row (per input in the batch dimension) gradients of every trainable parameter of `model`.
+
+    All trainable parameters must belong to `nn.Linear` modules whose input has the batch as its first dimension
+    (true of LoRA adapters and the value head); anything else raises `ValueError` at construction.
+
+    Use: `with rows.recording(): loss.backward()` after a forward pass run inside the same `recording()` block,
+    with `rows.watch(outputs...)` called on the per-row outputs the loss is computed from; then `rows.take()`
+    returns `(G, t)`, G the (B, P) per-row gradients in `params` order and t (B,) the squared norms of the
+    per-row output gradients.
+    """
+
+    def __init__(self, model: nn.Module, params: list[nn.Parameter]):
+        self.params = params
+        owners = {}
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                for name in ("weight", "bias"):
+                    p = getattr(module, name)
+                    if p is not None and p.requires_grad:
+                        owners[id(p)] = module
+        missing = [tuple(p.shape) for p in params if id(p) not in owners]
+        if missing:
+            raise ValueError(
+                f"natural_gradient needs every trainable parameter to be in an nn.Linear layer (LoRA adapters, the "
+                f"value head); parameters of shapes {missing[:3]} are not. Use LoRA without modules_to_save, or set "
+                f"PPOConfig(natural_gradient=False)."
+            )
+        self.modules = list(dict.fromkeys(owners[id(p)] for p in params))
+        self._grads: dict[int, torch.Tensor] = {}  # id(param) -> (B, *param.shape) accumulated per-row gradient
+        self._out_sq: torch.Tensor | None = None
+        self._active = False
+
+    @contextmanager
+    def recording(self):
+        """Capture per-row gradients of the forward and backward passes run inside this block."""
+        handles = [m.register_forward_hook(self._forward_hook) for m in self.modules]
+        self._active = True
+        try:
+            yield self
+        finally:
+            self._active = False
+            for handle in handles:
+                handle.remove()
+
+    def watch(self, *outputs: torch.Tensor) -> None:
+        """Record |d loss / d output|^2 summed per row for these (B, ...) outputs (inside `recording()`)."""
+        for out in outputs:
+            if out.requires_grad:
+                out.register_hook(self._output_hook)
+
+    def clear(self) -> None:
+        """Forget what was recorded (a skipped step)."""
+        self._grads, self._out_sq = {}, None
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(G, t) of the rows recorded since the last call, and forget them."""
+        if self._out_sq is None or not self._grads:
+            raise RuntimeError("RowGradients.take() before a recorded forward and backward pass.")
+        rows = self._out_sq.shape[0]
+        flat = []
+        for p in self.params:
+            g = self._grads.get(id(p))
+            flat.append(g.reshape(rows, -1) if g is not None else torch.zeros(rows, p.numel(), device=p.device))
+        result = torch.cat(flat, dim=1), self._out_sq
+        self.clear()
+        return result
+
+    # ---- hooks -----------------------------------------------------------------------------------------------
+    def _forward_hook(self, module: nn.Linear, inputs, output: torch.Tensor) -> None:
+        if not (self._active and output.requires_grad):
+            return
+        x = inputs[0].detach()
+
+        def backward_hook(grad_output: torch.Tensor) -> None:
+            rows = x.shape[0]
+            d, a = (
+                grad_output.float().reshape(rows, -1, grad_output.shape[-1]),
+                x.float().reshape(rows, -1, x.shape[-1]),
+            )
+            self._add(module.weight, torch.einsum("bto,bti->boi", d, a))
+            if module.bias is not None:
+                self._add(module.bias, d.sum(1))
+
+        output.register_hook(backward_hook)
+
+    def _add(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        if param.requires_grad:
+            key = id(param)
+            self._grads[key] = self._grads[key] + grad if key in self._grads else grad
+
+    def _output_hook(self, grad: torch.Tensor) -> None:
+        sq = torch.nan_to_num(grad.float()).pow(2).reshape(grad.shape[0], -1).sum(1)
+        self._out_sq = sq if self._out_sq is None else self._out_sq + sq
+
+
+def natural_coefficients(gram: torch.Tensor, targets: torch.Tensor, damping: float) -> torch.Tensor:
+    """alpha solving (K + damping * mean(K_ii / t_i) * diag(t)) alpha = t (see the module docstring).
+
+    Rows whose target or own gain is zero (a clipped or zero-advantage input) get alpha = 0. Solved in float64.
+
+    Args:
+        gram: (N, N) K = G G^T of the per-input loss gradients.
+        targets: (N,) t_i = |d loss_i / d outputs_i|^2.
+        damping: relative damping (> 0); larger is closer to a plain gradient step, smaller trusts K more.
+    """
+    k, t = gram.double(), targets.double()
+    alpha = torch.zeros_like(t)
+    live = (t > 0) & (k.diagonal() > 0)
+    if not live.any():
+        return alpha.to(targets.dtype)
+    k, t_live = k[live][:, live], t[live]
+    gain = (k.diagonal() / t_live).mean()
+    alpha[live] = torch.linalg.solve(k + damping * gain * torch.diag(t_live), t_live)
+    return alpha.to(targets.dtype)

@@ -1,0 +1,125 @@
+"""Natural-gradient steps: per-input gradients from hooks, the function-space solve, and the trainer's step."""
+
+import pytest
+import torch
+
+from llamagym.config import PPOConfig
+from llamagym.natural import RowGradients, natural_coefficients
+from llamagym.policy import Policy
+from llamagym.rollout import Episode, Turn, collate, collate_scored
+from llamagym.trainer import PPOTrainer
+
+PROMPTS = [[257, 50, 51, 256, 259], [257, 52, 256, 258, 53, 256, 259], [257, 54, 256, 259]]
+CANDIDATES = [[[60, 61, 256], [70, 256]], [[80, 256], [81, 82, 83, 256], [84, 256]], [[60, 256], [61, 256]]]
+
+
+def flat_grad(loss, params):
+    grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+    grads = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, params, strict=True)]
+    return torch.cat([g.flatten() for g in grads])
+
+
+def row_loss(out, weights):
+    """A loss that mixes candidate log-probs and values, row by row (finite entries only)."""
+    logprobs = out.logprobs.masked_fill(~torch.isfinite(out.logprobs), 0.0)
+    return (logprobs * weights[:, : logprobs.shape[1]]).sum(-1) + (out.values - 0.5) ** 2
+
+
+@pytest.mark.parametrize("mode", ["score", "generate"])
+def test_hooked_per_row_gradients_equal_one_backward_per_row(model, lora_config, mode):
+    policy = Policy(model, lora_config)
+    with torch.no_grad():
+        policy.value_head.linear.weight.normal_()
+    params = policy.trainable_parameters()
+    rows = RowGradients(policy, params)
+    weights = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
+
+    def forward():
+        if mode == "score":
+            return policy.score(collate_scored(PROMPTS, CANDIDATES, pad_token_id=256))
+        turns = [Turn(p, c[0]) for p, c in zip(PROMPTS, CANDIDATES, strict=True)]
+        return policy(*collate(turns, pad_token_id=256))
+
+    expected = torch.stack([flat_grad(loss, params) for loss in row_loss(forward(), weights)])  # not recorded
+    with rows.recording():
+        out = forward()
+        rows.watch(out.logprobs, out.values)
+    row_loss(out, weights).sum().backward()
+    grads, targets = rows.take()
+    torch.testing.assert_close(grads, expected, rtol=1e-4, atol=1e-6)
+    # the plain gradient is still accumulated as usual, and equals the sum of the rows
+    plain = torch.cat([p.grad.flatten() for p in params])
+    torch.testing.assert_close(grads.sum(0), plain, rtol=1e-4, atol=1e-6)
+    # targets: |d loss_i / d outputs_i|^2 (the -inf candidates of row 0 have zero gradient)
+    finite = torch.isfinite(out.logprobs)
+    expected_t = (weights[:, : out.logprobs.shape[1]] * finite).pow(2).sum(-1) + (2 * (out.values - 0.5)).pow(2)
+    torch.testing.assert_close(targets, expected_t.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_natural_coefficients_golden_values_and_dead_rows():
+    gram = torch.tensor([[4.0, 2.0, 0.0], [2.0, 3.0, 0.0], [0.0, 0.0, 0.0]])
+    targets = torch.tensor([1.0, 2.0, 5.0])  # row 2 has no gradient: alpha 0
+    alpha = natural_coefficients(gram, targets, damping=0.5)
+    # gain = mean(4/1, 3/2) = 2.75; (K + 0.5 * 2.75 * diag(1, 2)) alpha = (1, 2)
+    system = torch.tensor([[5.375, 2.0], [2.0, 5.75]], dtype=torch.float64)
+    expected = torch.linalg.solve(system, torch.tensor([1.0, 2.0], dtype=torch.float64))
+    torch.testing.assert_close(alpha, torch.tensor([*expected.tolist(), 0.0]))
+    assert torch.equal(natural_coefficients(torch.zeros(2, 2), torch.zeros(2), 0.1), torch.zeros(2))
+
+
+def test_near_collinear_inputs_each_move_their_own_way():
+    """Two inputs whose gradients are nearly parallel: a plain step moves both the same way, the natural step
+    moves each as its own loss asks (the failure it exists to fix)."""
+    g = torch.tensor([[1.0, 0.0, 0.05], [1.0, 0.05, 0.0]])  # per-input gradients of (loss_i = c_i * f_i)
+    c = torch.tensor([1.0, -0.5])  # input 0 wants f down, input 1 wants f up
+    plain_change = g @ (-(g.T @ torch.ones(2)))
+    assert (plain_change < 0).all()  # the plain step pushes both inputs' losses the same way
+    jac = g / c[:, None]  # d f_i / d theta
+    alpha = natural_coefficients(g @ g.T, c**2, damping=1e-6)
+    step = -(g.T @ alpha)
+    torch.testing.assert_close(jac @ step, -c, rtol=1e-3, atol=1e-4)  # f_i moves by -c_i: both ways at once
+
+
+def test_trainer_natural_step_moves_lora_and_value_head_only_and_decreases_the_loss(model, lora_config, tokenizer):
+    rewards = [1.0, -1.0, -1.0]
+    episodes = [
+        Episode([Turn(p, cands[0], reward, candidates=cands, choice=0)])
+        for p, cands, reward in zip(PROMPTS, CANDIDATES, rewards, strict=True)
+    ]
+    config = PPOConfig(
+        natural_gradient=True, mini_batch_size=64, micro_batch_size=2, ppo_epochs=1, kl_coef=0.0, adaptive_kl=False
+    )
+    policy = Policy(model, lora_config)
+    trainer = PPOTrainer(policy, config, tokenizer.pad_token_id)
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    batch = collate_scored(PROMPTS, CANDIDATES, pad_token_id=256)
+    old = policy.score(batch).logprobs[:, 0].detach()
+    stats = trainer.step(episodes)
+    assert stats["ppo/minibatches"] == 1 and torch.isfinite(torch.tensor(stats["ppo/grad_norm"]))
+    for name, param in policy.named_parameters():
+        changed = not torch.equal(before[name], param)
+        assert changed == ("lora_" in name or name.startswith("value_head.")), name
+    new = policy.score(batch).logprobs[:, 0].detach()
+    advantages = torch.tensor(rewards)
+    assert ((new - old) * advantages > 0).all()  # each input's chosen action moved the way its advantage says
+
+
+def test_natural_gradient_refuses_parameters_outside_linear_layers_with_a_message(model, tokenizer):
+    policy = Policy(model, full_finetune=True)  # embeddings and norms are trainable too
+    with pytest.raises(ValueError, match=r"nn\.Linear layer[\s\S]*natural_gradient=False"):
+        PPOTrainer(policy, PPOConfig(natural_gradient=True), tokenizer.pad_token_id)
+
+
+def test_natural_trainer_skips_a_non_finite_step_and_leaves_the_weights(model, lora_config, tokenizer):
+    config = PPOConfig(natural_gradient=True, mini_batch_size=64, ppo_epochs=1, kl_coef=0.0, adaptive_kl=False)
+    policy = Policy(model, lora_config)
+    trainer = PPOTrainer(policy, config, tokenizer.pad_token_id)
+    rewards = [1.0, 0.0, float("nan")]
+    episodes = [
+        Episode([Turn(p, c[0], r, candidates=c, choice=0)])
+        for p, c, r in zip(PROMPTS, CANDIDATES, rewards, strict=True)
+    ]
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    stats = trainer.step(episodes)
+    assert stats["ppo/skipped_updates"] >= 1
+    assert all(torch.equal(before[n], p) for n, p in policy.named_parameters())
