@@ -73,19 +73,25 @@ def _stick_outcome(total: int, dealer_card: int) -> Outcome:
     return win, draw, 1.0 - win - draw
 
 
+def _hit_outcome(state: State, value: Callable[[State], Outcome]) -> Outcome:
+    """Outcome probabilities of hitting once at `state`, then following `value` (a bust loses)."""
+    total, dealer, usable = state
+    hit = [0.0, 0.0, 0.0]
+    for card, p in CARD_PROBS.items():
+        new_total, new_usable = _add_card(total, usable, card)
+        out = (0.0, 0.0, 1.0) if new_total > 21 else value((new_total, dealer, new_usable))
+        hit = [h + p * o for h, o in zip(hit, out, strict=True)]
+    return tuple(hit)
+
+
 def _solve(choose: Callable[[State, Outcome, Outcome], Outcome]) -> dict[State, Outcome]:
     """Outcome probabilities of every state, where `choose(state, stick, hit)` mixes the two actions' outcomes."""
     memo: dict[State, Outcome] = {}
 
     def value(state: State) -> Outcome:
         if state not in memo:
-            total, dealer, usable = state
-            hit = [0.0, 0.0, 0.0]
-            for card, p in CARD_PROBS.items():
-                new_total, new_usable = _add_card(total, usable, card)
-                out = (0.0, 0.0, 1.0) if new_total > 21 else value((new_total, dealer, new_usable))
-                hit = [h + p * o for h, o in zip(hit, out, strict=True)]
-            memo[state] = choose(state, _stick_outcome(total, dealer), tuple(hit))
+            total, dealer, _ = state
+            memo[state] = choose(state, _stick_outcome(total, dealer), _hit_outcome(state, value))
         return memo[state]
 
     for state in STATES:
@@ -162,6 +168,21 @@ def optimal_policy() -> dict[State, int]:
 
     _solve(best)
     return {state: actions[state] for state in STATES}
+
+
+def optimal_advantages() -> dict[State, float]:
+    """Q*(s, hit) - Q*(s, stick) at every state: the expected-return gain of hitting once, then playing optimally.
+
+    Positive exactly where `optimal_policy` hits. Used to measure how fast a policy can fit the optimal table when
+    the advantages are known exactly (`benchmarks/natural_gradient.py`).
+    """
+    best = optimal_policy()
+    values = _solve(lambda state, stick, hit: hit if best[state] else stick)
+    gains = {}
+    for state in STATES:
+        (win, _, loss), stick = _hit_outcome(state, values.__getitem__), _stick_outcome(state[0], state[1])
+        gains[state] = (win - loss) - (stick[0] - stick[2])
+    return gains
 
 
 def uniform_random(player_sum: int, dealer_card: int, usable_ace: int) -> float:

@@ -129,3 +129,12 @@ def test_exact_values_agree_with_the_real_env(references, name):
     for key in ("win", "draw", "loss"):
         p = exact[key]
         assert abs(stats[key] - p) < 4 * np.sqrt(p * (1 - p) / stats["n"])
+
+
+def test_optimal_advantages_sign_is_the_optimal_action_and_values_are_known():
+    gains = bj.optimal_advantages()
+    best = bj.optimal_policy()
+    assert all((gains[s] > 0) == bool(best[s]) for s in bj.STATES)
+    # hard 21: a hit always busts (-1); sticking wins unless the dealer also makes 21 (a draw)
+    p21 = bj.dealer_distribution(10)[21]
+    assert gains[(21, 10, 0)] == pytest.approx(-1.0 - (1.0 - p21), abs=1e-12)
