@@ -7,8 +7,8 @@ the *exact* expected return of that policy (no sampling noise), beside the optim
 
 Smoke run (seconds, tiny random model):  python examples/blackjack.py --model tiny-random --episodes 8 --device cpu
 Sanity run (embedded SmolLM2-135M):     python examples/blackjack.py --episodes 5
-Full run (see the README's Results):     python examples/blackjack.py --episodes 3000 --seed 0
-Continue a stopped or killed run:        python examples/blackjack.py --episodes 3000 --seed 0 --resume
+Full run (see the README's Results):     python examples/blackjack.py --seed 0
+Continue a stopped or killed run:        python examples/blackjack.py --seed 0 --resume
 (checkpoints hold the envs mid-hand and the agent's running episodes: the resumed run matches an uninterrupted one)
 """
 
@@ -55,7 +55,7 @@ class BlackjackAgent(Agent):
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--episodes", type=int, default=3000, help="hands to play (default: 3000)")
+    parser.add_argument("--episodes", type=int, default=8000, help="hands to play (default: 8000)")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="registry name, hub id or local path")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | mps")
     parser.add_argument("--seed", type=int, default=0)
@@ -63,16 +63,21 @@ def parse_args():
     parser.add_argument("--lr", type=float, default=3e-4, help="learning rate of the LoRA adapter and value head")
     parser.add_argument("--value-lr", type=float, default=3e-3, help="learning rate of the value head")
     parser.add_argument("--batch-size", type=int, default=64, help="episodes per PPO update")
-    parser.add_argument("--mini-batch-size", type=int, default=32, help="turns per optimizer step")
+    parser.add_argument("--mini-batch-size", type=int, default=256, help="turns per step (256: whole batch)")
     parser.add_argument("--ppo-epochs", type=int, default=2)
     parser.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL to the reference in the reward")
-    parser.add_argument("--ent-coef", type=float, default=0.05, help="entropy bonus (keeps both actions explored)")
+    parser.add_argument("--ent-coef", type=float, default=0.01, help="entropy bonus (keeps both actions explored)")
+    parser.add_argument("--natural-gradient", action=argparse.BooleanOptionalAction, default=True,
+                        help="PPO steps in function space, per state (default); --no-natural-gradient = AdamW")
+    parser.add_argument("--natural-step", type=float, default=3.0, help="natural-gradient step size")
+    parser.add_argument("--natural-damping", type=float, default=0.1, help="natural-gradient relative damping")
+    parser.add_argument("--max-grad-norm", type=float, default=0.3, help="cap on a step's norm (natural) or grad norm")
     parser.add_argument("--action-mode", choices=["score", "generate"], default="score")
     parser.add_argument("--lora-layers", type=int, default=8, help="adapt the top N layers only (0 = all)")
     parser.add_argument("--max-new-tokens", type=int, default=8, help="reply length in generate mode")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
     parser.add_argument("--sft-warm-start", action="store_true", help="imitate won hands after each update")
-    parser.add_argument("--target-kl", type=float, default=None, help="stop an update early past 1.5x this KL")
+    parser.add_argument("--target-kl", type=float, default=0.02, help="stop an update past 1.5x this KL (0 = off)")
     parser.add_argument("--output-dir", default="runs/blackjack", help="metrics, checkpoint, evaluation, plots")
     parser.add_argument("--checkpoint-every", type=int, default=5, help="updates between checkpoints")
     parser.add_argument("--resume", action="store_true", help="continue exactly from OUTPUT_DIR/checkpoint")
@@ -145,13 +150,17 @@ def main():
             kl_coef=args.kl_coef,
             adaptive_kl=args.kl_coef > 0,
             ent_coef=args.ent_coef,
-            target_kl=args.target_kl if args.target_kl is not None else 0.05,
+            target_kl=args.target_kl or 0.05,
             seed=args.seed,
+            max_grad_norm=args.max_grad_norm,
+            natural_gradient=args.natural_gradient,
+            natural_step=args.natural_step,
+            natural_damping=args.natural_damping,
         ),
         replay_config=ReplayConfig(min_return=1.0),  # imitate won hands only
         generation_config={"max_new_tokens": args.max_new_tokens},
         sft_warm_start=args.sft_warm_start,
-        use_target_kl=args.target_kl is not None,
+        use_target_kl=bool(args.target_kl),
         action_mode=args.action_mode,
         precision=args.precision,
         # the backward pass stops at the lowest adapted layer (a small model may have fewer than asked for)
