@@ -7,15 +7,17 @@ mean advantage, and the policy collapses to the action that is best on average (
 state-specific part of the gradient can separate the states.
 
 The fix is a Gauss-Newton step in function space over the minibatch's distinct inputs. With g_i the gradient of
-input i's share of the loss and c_i the gradient of that loss with respect to i's outputs (candidate log-probs or
-token log-probs, and the value), the step is
+input i's share of the policy loss and c_i the gradient of that loss with respect to i's outputs (its candidate
+log-probs, or its reply's token log-probs), the step is
 
-    delta = -step * G^T alpha,   (K + damping * mean(K_ii / t_i) * diag(t)) alpha = t,   K = G G^T, t_i = |c_i|^2
+    delta = -step * N * G^T alpha,   (K + damping * mean(K_ii / t_i) * diag(t)) alpha = t,   K = G G^T, t_i = |c_i|^2
 
-that is, the smallest parameter change that decreases each input's loss as a step of `step` along -c_i in its
-output space would, with every input's change solved for jointly (K is small: one row per distinct input).
+(N the minibatch's turn count; |delta| is capped at `max_grad_norm`). That is the smallest parameter change that
+decreases each input's loss as a step of `step` along -c_i in its output space would, with every input's change
+solved for jointly (K is small: one row per distinct input).
 `RowGradients` collects the per-input gradients g_i in the same backward pass as the plain gradient, from hooks
-on the trainable `nn.Linear` modules (LoRA A/B and the value head): no extra forward or backward pass.
+on the adapter's `nn.Linear` modules (LoRA A and B): no extra forward or backward pass. The value head keeps its
+AdamW step on features it no longer back-propagates into.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ class RowGradients:
     All trainable parameters must belong to `nn.Linear` modules whose input has the batch as its first dimension
     (true of LoRA adapters and the value head); anything else raises `ValueError` at construction.
 
-    Use: `with rows.recording(): loss.backward()` after a forward pass run inside the same `recording()` block,
-    with `rows.watch(outputs...)` called on the per-row outputs the loss is computed from; then `rows.take()`
-    returns `(G, t)`, G the (B, P) per-row gradients in `params` order and t (B,) the squared norms of the
-    per-row output gradients.
+    Use: run the forward pass inside `with rows.recording():` and call `rows.watch(outputs...)` there on the
+    per-row outputs the loss is computed from; after `loss.backward()` (inside the block or not), `rows.take()`
+    returns `(G, t)`: G the (B, P) per-row gradients in `params` order, t (B,) the squared norms of the per-row
+    output gradients.
     """
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter]):
