@@ -62,7 +62,7 @@ def parse_args():
     parser.add_argument("--num-envs", type=int, default=32, help="envs played at once (one forward pass each step)")
     parser.add_argument("--lr", type=float, default=3e-4, help="learning rate of the LoRA adapter and value head")
     parser.add_argument("--value-lr", type=float, default=3e-3, help="learning rate of the value head")
-    parser.add_argument("--batch-size", type=int, default=64, help="episodes per PPO update")
+    parser.add_argument("--batch-size", type=int, default=128, help="episodes per PPO update")
     parser.add_argument("--mini-batch-size", type=int, default=256, help="turns per step (256: whole batch)")
     parser.add_argument("--ppo-epochs", type=int, default=2)
     parser.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL to the reference in the reward")
