@@ -26,7 +26,7 @@ import torch
 from llamagym import load_model_and_tokenizer
 from llamagym.acting import decide
 from llamagym.blackjack import STATES, exact_return, optimal_advantages, optimal_policy
-from llamagym.natural import RowGradients, natural_coefficients
+from llamagym.natural import RowGradients, natural_direction, subtract_flat
 from llamagym.rollout import collate_scored
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,14 +81,10 @@ def run(method, args, example, gains, best):
             torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
             adam.step()
         else:
-            alpha = natural_coefficients(grads @ grads.T, targets, args.damping)
-            direction = grads.T @ alpha.float() * (args.step * len(STATES))
-            direction = direction * min(1.0, args.max_grad_norm / float(direction.norm()))
-            with torch.no_grad():
-                offset = 0
-                for p in params:
-                    p.sub_(direction[offset : offset + p.numel()].view_as(p).to(p.dtype))
-                    offset += p.numel()
+            step_vector, _ = natural_direction(
+                grads, targets, args.damping, args.step * len(STATES), args.max_grad_norm
+            )
+            subtract_flat(params, step_vector)
         adam.zero_grad(set_to_none=True)
         policy.version += 1
     return history

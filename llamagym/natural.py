@@ -143,3 +143,25 @@ def natural_coefficients(gram: torch.Tensor, targets: torch.Tensor, damping: flo
     gain = (k.diagonal() / t_live).mean()
     alpha[live] = torch.linalg.solve(k + damping * gain * torch.diag(t_live), t_live)
     return alpha.to(targets.dtype)
+
+
+def natural_direction(
+    grads: torch.Tensor, targets: torch.Tensor, damping: float, scale: float, max_norm: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(step, norm): the flat parameter step to *subtract*, `scale * G^T alpha` capped at `max_norm`, and its
+    norm before the cap (non-finite when the solve failed; the caller then skips the step)."""
+    alpha = natural_coefficients(grads @ grads.T, targets, damping)
+    step = grads.T @ alpha.to(grads.dtype) * scale
+    norm = step.norm()
+    if norm > max_norm:  # a trust region: the linearisation holds for small parameter moves only
+        step = step * (max_norm / norm)
+    return step, norm
+
+
+@torch.no_grad()
+def subtract_flat(params: list[nn.Parameter], flat: torch.Tensor) -> None:
+    """params -= flat, with `flat` laid out as the concatenation of the flattened params (as in `RowGradients`)."""
+    offset = 0
+    for p in params:
+        p.sub_(flat[offset : offset + p.numel()].view_as(p).to(p.dtype))
+        offset += p.numel()

@@ -25,7 +25,7 @@ import torch
 
 from . import ppo
 from .config import PPOConfig, ReplayConfig
-from .natural import RowGradients, natural_coefficients
+from .natural import RowGradients, natural_direction, subtract_flat
 from .policy import Policy
 from .replay import SFTReplayBuffer, sft_loss
 from .rollout import (
@@ -324,21 +324,17 @@ class PPOTrainer:
         grads = torch.cat([g for g, _ in self._rows])
         targets = torch.cat([t for _, t in self._rows])
         self._rows = []
-        alpha = natural_coefficients(grads @ grads.T, targets, cfg.natural_damping)
-        direction = grads.T @ alpha.to(grads.dtype) * (cfg.natural_step * self._rows_turns)
-        norm = direction.norm()
-        if norm > cfg.max_grad_norm:  # a trust region: the linearisation holds for small parameter moves only
-            direction = direction * (cfg.max_grad_norm / norm)
+        direction, norm = natural_direction(
+            grads, targets, cfg.natural_damping, cfg.natural_step * self._rows_turns, cfg.max_grad_norm
+        )
         value_params = list(self.policy.value_head.parameters())
         value_norm = torch.nn.utils.clip_grad_norm_(value_params, cfg.max_grad_norm)
         if not (torch.isfinite(norm) and torch.isfinite(value_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             return self._skip(f"non-finite natural-gradient step (norm {float(norm)}, value head {float(value_norm)})")
-        offset = 0
         for p in self.lm_params:
             p.grad = None  # the plain gradient, accumulated as well, is not used
-            p.sub_(direction[offset : offset + p.numel()].view_as(p).to(p.dtype))
-            offset += p.numel()
+        subtract_flat(self.lm_params, direction)
         self.optimizer.step()  # the value head's AdamW step
         self.optimizer.zero_grad(set_to_none=True)
         self.policy.version += 1

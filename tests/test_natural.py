@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from llamagym.config import PPOConfig
-from llamagym.natural import RowGradients, natural_coefficients
+from llamagym.natural import RowGradients, natural_coefficients, natural_direction, subtract_flat
 from llamagym.policy import Policy
 from llamagym.rollout import Episode, Turn, collate, collate_scored
 from llamagym.trainer import PPOTrainer
@@ -123,3 +123,14 @@ def test_natural_trainer_skips_a_non_finite_step_and_leaves_the_weights(model, l
     stats = trainer.step(episodes)
     assert stats["ppo/skipped_updates"] >= 1
     assert all(torch.equal(before[n], p) for n, p in policy.named_parameters())
+
+
+def test_natural_direction_is_capped_and_subtract_flat_lays_out_params_in_order():
+    grads = torch.tensor([[3.0, 0.0, 0.0], [0.0, 4.0, 0.0]])
+    step, norm = natural_direction(grads, torch.tensor([9.0, 16.0]), damping=1e-9, scale=1.0, max_norm=1.0)
+    # K = diag(9, 16), alpha = 1 each: G^T alpha = (3, 4, 0), norm 5, capped to 1
+    torch.testing.assert_close(norm, torch.tensor(5.0), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(step, torch.tensor([0.6, 0.8, 0.0]), rtol=1e-6, atol=1e-6)
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1, 1))]
+    subtract_flat(params, torch.tensor([1.0, 2.0, 3.0]))
+    assert params[0].tolist() == [-1.0, -2.0] and params[1].tolist() == [[-3.0]]
