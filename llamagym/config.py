@@ -65,6 +65,7 @@ class PPOConfig:
     natural_gradient: bool = False  # PPO steps in function space over the minibatch's inputs (see llamagym.natural)
     natural_step: float = 0.5  # natural_gradient: output move per unit of an input's per-turn output gradient
     natural_damping: float = 0.1  # natural_gradient: relative damping (larger is closer to a plain gradient step)
+    anneal_updates: int = 0  # adapter step (learning_rate, natural_step) falls linearly to 0 over N updates; 0 = off
     seed: int = 0  # seed of the minibatch shuffles and replay sampling
     max_skipped_updates: int = 10  # optimizer steps skipped in a row (non-finite loss/gradient) before the run stops
 
@@ -101,6 +102,7 @@ class PPOConfig:
                 "natural_gradient": (lambda v: isinstance(v, bool), "True or False"),
                 "natural_step": positive,
                 "natural_damping": positive,
+                "anneal_updates": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0 = no annealing)"),
                 "seed": (_int, "an integer"),
                 "max_skipped_updates": count,
             },

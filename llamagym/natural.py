@@ -83,16 +83,28 @@ class RowGradients:
         """Forget what was recorded (a skipped step)."""
         self._grads, self._out_sq = {}, None
 
-    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(G, t) of the rows recorded since the last call, and forget them."""
+    @property
+    def width(self) -> int:
+        """P, the number of columns of G (all the watched parameters, flattened)."""
+        return sum(p.numel() for p in self.params)
+
+    def take(self, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(G, t) of the rows recorded since the last call, and forget them.
+
+        With `out` (a (B, P) float32 view, e.g. rows of a buffer holding a whole minibatch), G is written there and
+        `out` is returned, so no second copy of the per-row gradients is made.
+        """
         if self._out_sq is None or not self._grads:
             raise RuntimeError("RowGradients.take() before a recorded forward and backward pass.")
         rows = self._out_sq.shape[0]
-        flat = []
+        if out is None:
+            out = torch.empty(rows, self.width, device=self._out_sq.device)
+        offset = 0
         for p in self.params:
             g = self._grads.get(id(p))
-            flat.append(g.reshape(rows, -1) if g is not None else torch.zeros(rows, p.numel(), device=p.device))
-        result = torch.cat(flat, dim=1), self._out_sq
+            out[:, offset : offset + p.numel()] = g.reshape(rows, -1) if g is not None else 0.0
+            offset += p.numel()
+        result = out, self._out_sq
         self.clear()
         return result
 

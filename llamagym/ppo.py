@@ -169,6 +169,14 @@ def kl_exceeded(approx_kl: float, target_kl: float | None, factor: float = 1.5) 
     return target_kl is not None and approx_kl > factor * target_kl
 
 
+def linear_anneal(update: int, anneal_updates: int) -> float:
+    """Step-size factor of the update that follows `update` finished ones: 1 at first, falling linearly to 0 at
+    update `anneal_updates` (CleanRL's `--anneal-lr`); always 1 when `anneal_updates` is 0."""
+    if anneal_updates == 0:
+        return 1.0
+    return max(0.0, 1.0 - update / anneal_updates)
+
+
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     """1 - Var[R - V] / Var[R] over masked entries: 1 is perfect, 0 is as good as a constant, < 0 worse.
 

@@ -75,9 +75,11 @@ class PPOTrainer:
         self.lm_params = lm_params
         self.row_gradients = RowGradients(policy, lm_params) if config.natural_gradient else None
         policy.value_head.detach_input = config.natural_gradient
-        self._rows: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._row_grads: torch.Tensor | None = None  # the minibatch's per-input gradients G (natural_gradient)
+        self._row_targets: list[torch.Tensor] = []  # and their output-gradient targets t, per micro-batch
         self.generator = torch.Generator().manual_seed(config.seed)
         self.num_updates = 0
+        self.step_scale = 1.0  # this update's factor on the adapter's step size (see `anneal_updates`)
         self.skipped_updates = 0  # all skipped optimizer steps (reported as ppo/skipped_updates)
         self.consecutive_skips = 0  # skipped since the last applied step; the run stops at max_skipped_updates
         self._batch_summary = ""  # the current batch's reward/advantage/KL range, for the skip warning
@@ -89,6 +91,7 @@ class PPOTrainer:
         episodes = [e for e in episodes if e.turns]
         if not episodes:
             raise ValueError("PPOTrainer.step() needs at least one episode with a turn.")
+        self._anneal()
         turns = [turn for episode in episodes for turn in episode.turns]
         batch = collate_turns(turns, self.pad_token_id, self.policy.device)
         groups = distinct_inputs(turns)
@@ -138,6 +141,8 @@ class PPOTrainer:
             if early_stopped:
                 break
 
+        self._row_grads, self._row_targets = None, []  # an early stop leaves a minibatch's unused: let them go
+
         # 5. adapt the KL coefficient toward its target
         mean_kl_ref = float(kl_ref.mean())
         self.kl_controller.update(mean_kl_ref, len(turns))
@@ -159,6 +164,7 @@ class PPOTrainer:
                 "ppo/num_turns": float(len(turns)),
                 "ppo/distinct_turns": float(int(groups.max()) + 1),
                 "ppo/num_updates": float(self.num_updates),
+                "ppo/step_scale": self.step_scale,
                 "kl/ref": mean_kl_ref,
                 "kl/coef": float(self.kl_controller.value),
                 "env/batch_return": sum(e.env_return for e in episodes) / len(episodes),
@@ -172,6 +178,19 @@ class PPOTrainer:
         return result
 
     # ---- pieces ----------------------------------------------------------------------------------------------
+    def _anneal(self) -> None:
+        """Set this update's adapter step size (`anneal_updates`); the value head keeps its learning rate."""
+        cfg = self.config
+        self.step_scale = ppo.linear_anneal(self.num_updates, cfg.anneal_updates)
+        self.optimizer.param_groups[0]["lr"] = cfg.learning_rate * self.step_scale
+        if self.step_scale == 0 and self.num_updates == cfg.anneal_updates:
+            logger.warning(
+                "update %d: anneal_updates=%d is reached, so the adapter's step size is 0 and further updates leave "
+                "the policy unchanged (the value head still learns). Raise PPOConfig.anneal_updates to train longer.",
+                self.num_updates + 1,
+                cfg.anneal_updates,
+            )
+
     def _evaluate(self, batch, groups, part, with_entropy: bool = False, watch=None, reference: bool = False):
         """(log-probs, mask, values, entropy) of the actions of rows `part`, shaped (P, T); T = 1 in scoring mode.
 
@@ -225,9 +244,10 @@ class PPOTrainer:
         cfg, mask = self.config, _action_mask(batch)
         total_tokens, total_rows = mask[index].sum(), len(index)
         sums: dict[str, float] = defaultdict(float)
-        rows, self._rows, self._rows_turns = self.row_gradients, [], len(index)
-        if rows is not None:
+        rows, self._row_targets, self._rows_turns = self.row_gradients, [], len(index)
+        if rows is not None:  # one (distinct inputs, P) buffer, filled by each micro-batch's per-input gradients
             rows.clear()
+            self._row_grads, filled = torch.empty(len(torch.unique(groups[index])), rows.width, device=mask.device), 0
         for part in self._micro(groups, index):
             with rows.recording() if rows is not None else nullcontext():
                 watch = rows.watch if rows is not None else None
@@ -245,7 +265,9 @@ class PPOTrainer:
             if not self._backward(loss):  # the per-input gradients are recorded by hooks set in the forward pass
                 return None
             if rows is not None:
-                self._rows.append(rows.take())
+                n = len(torch.unique(groups[part]))
+                self._row_targets.append(rows.take(out=self._row_grads[filled : filled + n])[1])
+                filled += n
             for key, value, share in (
                 ("ppo/policy_loss", pg_loss, token_share),
                 ("ppo/value_loss", v_loss, row_share),
@@ -321,12 +343,10 @@ class PPOTrainer:
         per unit of its (per-turn) output gradient, whatever the minibatch size.
         """
         cfg = self.config
-        grads = torch.cat([g for g, _ in self._rows])
-        targets = torch.cat([t for _, t in self._rows])
-        self._rows = []
-        direction, norm = natural_direction(
-            grads, targets, cfg.natural_damping, cfg.natural_step * self._rows_turns, cfg.max_grad_norm
-        )
+        grads, targets = self._row_grads, torch.cat(self._row_targets)
+        self._row_grads, self._row_targets = None, []
+        scale = cfg.natural_step * self.step_scale * self._rows_turns
+        direction, norm = natural_direction(grads, targets, cfg.natural_damping, scale, cfg.max_grad_norm)
         value_params = list(self.policy.value_head.parameters())
         value_norm = torch.nn.utils.clip_grad_norm_(value_params, cfg.max_grad_norm)
         if not (torch.isfinite(norm) and torch.isfinite(value_norm)):

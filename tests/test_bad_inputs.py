@@ -229,6 +229,8 @@ CASES = [
         ValueError, "`whiten_advantages` should be True or False. Received 'yes'."),
     row("config-natural-damping-zero", lambda c: PPOConfig(natural_damping=0),
         ValueError, "`natural_damping` should be a number > 0. Received 0."),
+    row("config-anneal-updates-negative", lambda c: PPOConfig(anneal_updates=-1),
+        ValueError, "`anneal_updates` should be an integer >= 0 (0 = no annealing). Received -1."),
     row("config-max-skipped-updates-zero", lambda c: PPOConfig(max_skipped_updates=0),
         ValueError, "`max_skipped_updates` should be an integer >= 1. Received 0."),
     row("replay-top-fraction-zero", lambda c: ReplayConfig(top_fraction=0),

@@ -25,8 +25,8 @@ def row_loss(out, weights):
     return (logprobs * weights[:, : logprobs.shape[1]]).sum(-1) + (out.values - 0.5) ** 2
 
 
-@pytest.mark.parametrize("mode", ["score", "generate"])
-def test_hooked_per_row_gradients_equal_one_backward_per_row(model, lora_config, mode):
+@pytest.mark.parametrize("mode, into_buffer", [("score", False), ("generate", False), ("score", True)])
+def test_hooked_per_row_gradients_equal_one_backward_per_row(model, lora_config, mode, into_buffer):
     policy = Policy(model, lora_config)
     with torch.no_grad():
         policy.value_head.linear.weight.normal_()
@@ -45,8 +45,11 @@ def test_hooked_per_row_gradients_equal_one_backward_per_row(model, lora_config,
         out = forward()
         rows.watch(out.logprobs, out.values)
     row_loss(out, weights).sum().backward()
-    grads, targets = rows.take()
+    buffer = torch.full((5, rows.width), 7.0)
+    grads, targets = rows.take(out=buffer[1:4]) if into_buffer else rows.take()
     torch.testing.assert_close(grads, expected, rtol=1e-4, atol=1e-6)
+    if into_buffer:  # written in place, the rest of the buffer untouched
+        assert grads.data_ptr() == buffer[1].data_ptr() and (buffer[[0, 4]] == 7).all()
     # the plain gradient is still accumulated as usual, and equals the sum of the rows
     plain = torch.cat([p.grad.flatten() for p in params])
     torch.testing.assert_close(grads.sum(0), plain, rtol=1e-4, atol=1e-6)
@@ -102,6 +105,24 @@ def test_trainer_natural_step_moves_lora_and_value_head_only_and_decreases_the_l
     new = policy.score(batch).logprobs[:, 0].detach()
     advantages = torch.tensor(rewards)
     assert ((new - old) * advantages > 0).all()  # each input's chosen action moved the way its advantage says
+
+
+def test_annealed_natural_step_leaves_the_adapter_once_the_schedule_ends(model, lora_config, tokenizer):
+    config = PPOConfig(
+        natural_gradient=True, mini_batch_size=64, ppo_epochs=1, kl_coef=0.0, adaptive_kl=False, anneal_updates=1
+    )
+    policy = Policy(model, lora_config)
+    trainer = PPOTrainer(policy, config, tokenizer.pad_token_id)
+    episodes = [
+        Episode([Turn(p, c[0], r, candidates=c, choice=0)])
+        for p, c, r in zip(PROMPTS, CANDIDATES, [1.0, -1.0, -1.0], strict=True)
+    ]
+    moved = []
+    for _ in range(2):
+        before = [p.detach().clone() for p in trainer.lm_params]
+        trainer.step(episodes)
+        moved.append(any(not torch.equal(b, p) for b, p in zip(before, trainer.lm_params, strict=True)))
+    assert moved == [True, False]
 
 
 def test_natural_gradient_refuses_parameters_outside_linear_layers_with_a_message(model, tokenizer):

@@ -17,6 +17,7 @@ from llamagym.ppo import (
     gae,
     kl_exceeded,
     kl_penalty,
+    linear_anneal,
     logprobs_from_logits,
     masked_mean,
     masked_var,
@@ -243,6 +244,13 @@ def test_kl_exceeded_is_false_without_target_and_uses_factor_one_and_a_half(valu
 
 def test_kl_exceeded_respects_custom_factor():
     assert kl_exceeded(0.25, 0.1, factor=2.0) and not kl_exceeded(0.15, 0.1, factor=2.0)
+
+
+@pytest.mark.parametrize(
+    "update, anneal_updates, expected", [(0, 0, 1.0), (7, 0, 1.0), (0, 4, 1.0), (1, 4, 0.75), (4, 4, 0.0), (6, 4, 0.0)]
+)
+def test_linear_anneal_falls_from_one_to_zero_and_is_one_when_off(update, anneal_updates, expected):
+    assert linear_anneal(update, anneal_updates) == expected
 
 
 # --- policy loss ----------------------------------------------------------------------------------------------------

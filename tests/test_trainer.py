@@ -181,6 +181,22 @@ def test_value_head_has_its_own_learning_rate(model, lora_config, tokenizer):
     assert {id(p) for p in groups[1]["params"]} == {id(p) for p in trainer.policy.value_head.parameters()}
 
 
+def test_annealing_scales_the_adapter_step_to_zero_and_keeps_the_value_head_rate(model, lora_config, tokenizer, caplog):
+    trainer = make_trainer(model, lora_config, tokenizer, value_learning_rate=3e-3, anneal_updates=2)
+    rates, scales = [], []
+    for _ in range(2):
+        scales.append(trainer.step(make_episodes())["ppo/step_scale"])
+        rates.append([g["lr"] for g in trainer.optimizer.param_groups])
+    assert scales == [1.0, 0.5] and rates == [[1e-3, 3e-3], [5e-4, 3e-3]]
+    before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+    with caplog.at_level("WARNING"):
+        assert trainer.step(make_episodes())["ppo/step_scale"] == 0.0
+        trainer.step(make_episodes())
+    assert len([r for r in caplog.records if "anneal_updates=2 is reached" in r.getMessage()]) == 1
+    for name, param in trainer.policy.named_parameters():
+        assert torch.equal(before[name], param) != name.startswith("value_head."), name
+
+
 def repeated_episodes(scored: bool):
     """7 one-turn episodes over 3 distinct inputs in no symmetric order, with different rewards (and choices)."""
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
