@@ -80,9 +80,10 @@ class Actor:
         """Index of the chosen candidate for each prompt: sampled from the policy, or its arg-max when greedy.
 
         Each distinct (prompt, candidates) input is scored once per policy version: envs in the same state, now
-        or later in the rollout, reuse its distribution until the weights change (see `Policy.version`).
+        or later in the rollout, reuse its distribution until the weights (or the precision) change (see
+        `Policy.version`).
         """
-        stamp = (self.policy.version, self.policy.temperature)
+        stamp = (self.policy.version, self.policy.temperature, self.policy.precision)
         if stamp != self._scores_stamp:
             self._scores.clear()
             self._scores_stamp = stamp

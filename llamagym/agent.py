@@ -228,12 +228,17 @@ class Agent(ABC):
         return discarded
 
     def predict(self, observations, greedy: bool = True, chunk: int = 64) -> list:
-        """Actions for observations seen afresh (no conversation history), recording nothing: for evaluation."""
+        """Actions for observations seen afresh (no conversation history), recording nothing: for evaluation.
+
+        Runs in float32 (`Policy.float32`), so greedy actions are the same on any thread count and in any chunk:
+        under bf16, rounding can flip near-tied choices, and the evaluated policy would depend on the machine.
+        """
         observations, actions = list(observations), []
-        for start in range(0, len(observations), chunk):  # bounded memory however many observations
-            part = observations[start : start + chunk]
-            wheres = [f"predict({start + i})" for i in range(len(part))]
-            actions += [d.parsed.action for d in decide(self, part, [[] for _ in part], wheres, greedy)]
+        with self.policy.float32():
+            for start in range(0, len(observations), chunk):  # bounded memory however many observations
+                part = observations[start : start + chunk]
+                wheres = [f"predict({start + i})" for i in range(len(part))]
+                actions += [d.parsed.action for d in decide(self, part, [[] for _ in part], wheres, greedy)]
         return actions
 
     def assign_rewards(self, rewards, active=None) -> None:

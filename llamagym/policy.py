@@ -154,6 +154,21 @@ class Policy(nn.Module):
         else:
             yield
 
+    @contextlib.contextmanager
+    def float32(self):
+        """Inside this context every forward runs in plain float32, without the frozen-layer cache (filled under
+        bf16): outputs that do not depend on the batch they are in or on the CPU thread count. bf16 rounding does,
+        and it can flip the greedy choice between near-tied actions. A no-op when the policy runs in fp32."""
+        if self.precision == "fp32":
+            yield
+            return
+        saved = self.precision, self.frozen_cache
+        self.precision, self.frozen_cache = "fp32", None
+        try:
+            yield
+        finally:
+            self.precision, self.frozen_cache = saved
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 

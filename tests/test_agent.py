@@ -173,6 +173,23 @@ def test_save_and_load_restore_the_policy_and_the_trainer(model, tokenizer, lora
         assert torch.equal(a, b), name
 
 
+class NamedAgent(ScriptedAgent):
+    action_names = ["yes", "no"]
+
+
+def test_predict_scores_in_float32_and_never_reuses_scores_cached_under_bf16(model, tokenizer, lora_config):
+    agent = make_agent(model, tokenizer, lora_config, cls=NamedAgent, precision="bf16")
+    agent.act(0)  # scores observation 0 under bf16, and caches that
+    ((key, acted),) = agent.actor._scores.items()
+    agent.predict([0])
+    assert agent.policy.precision == "bf16"
+    predicted = agent.actor._scores[key]
+    agent.policy.precision = "fp32"  # the same weights, run in fp32 throughout
+    agent.act(0)
+    torch.testing.assert_close(predicted, agent.actor._scores[key], atol=0, rtol=0)
+    assert not torch.equal(acted, predicted)
+
+
 def test_predict_acts_greedily_from_a_fresh_context_and_records_nothing(model, tokenizer, lora_config):
     agent = make_agent(model, tokenizer, lora_config)
     predicted = agent.predict([0, 1])

@@ -82,3 +82,18 @@ def test_the_agent_turns_the_cache_on_with_lora_layers_and_off_with_zero_megabyt
     assert make_agent(model, tokenizer, lora_config, lora_layers=1).policy.frozen_cache is not None
     plain = build_tiny_model(tokenizer, seed=0)
     assert make_agent(plain, tokenizer, lora_config, lora_layers=1, frozen_cache_mb=0).policy.frozen_cache is None
+
+
+def test_float32_context_is_the_plain_fp32_forward_and_restores_precision_and_cache(tokenizer, lora_config):
+    cached, _ = twin_policies(tokenizer, lora_config, "bf16")
+    _, plain32 = twin_policies(tokenizer, lora_config, "fp32")
+    cache, batch = cached.frozen_cache, collate_scored(PROMPTS, CANDIDATES, pad_token_id=256)
+    with torch.no_grad():
+        low = cached.score(batch).logprobs
+        with cached.float32():
+            assert cached.precision == "fp32" and cached.frozen_cache is None
+            exact = cached.score(batch).logprobs
+        expected = plain32.score(batch).logprobs
+    assert cached.precision == "bf16" and cached.frozen_cache is cache and cache.misses == 2  # the bf16 pass only
+    torch.testing.assert_close(exact, expected, atol=0, rtol=0)  # the same computation, bit for bit
+    assert not torch.equal(low, exact)  # bf16 rounding is what the context removes
