@@ -14,6 +14,7 @@ Continue a stopped or killed run:        python examples/blackjack.py --seed 0 -
 
 import argparse
 import json
+import math
 import os
 import random
 import time
@@ -55,22 +56,32 @@ class BlackjackAgent(Agent):
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--episodes", type=int, default=8000, help="hands to play (default: 8000)")
+    parser.add_argument("--episodes", type=int, default=32000, help="hands to play (default: 32000)")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="registry name, hub id or local path")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | mps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-envs", type=int, default=32, help="envs played at once (one forward pass each step)")
     parser.add_argument("--lr", type=float, default=3e-4, help="learning rate of the LoRA adapter and value head")
     parser.add_argument("--value-lr", type=float, default=3e-3, help="learning rate of the value head")
-    parser.add_argument("--batch-size", type=int, default=128, help="episodes per PPO update")
-    parser.add_argument("--mini-batch-size", type=int, default=256, help="turns per step (256: whole batch)")
+    parser.add_argument("--batch-size", type=int, default=512, help="episodes per PPO update")
+    parser.add_argument("--mini-batch-size", type=int, default=4096, help="turns per step (4096: whole batch)")
     parser.add_argument("--ppo-epochs", type=int, default=2)
     parser.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL to the reference in the reward")
     parser.add_argument("--ent-coef", type=float, default=0.01, help="entropy bonus (keeps both actions explored)")
-    parser.add_argument("--natural-gradient", action=argparse.BooleanOptionalAction, default=True,
-                        help="PPO steps in function space, per state (default); --no-natural-gradient = AdamW")
-    parser.add_argument("--natural-step", type=float, default=3.0, help="natural-gradient step size")
+    parser.add_argument(
+        "--natural-gradient",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="PPO steps in function space, per state (default); --no-natural-gradient = AdamW",
+    )
+    parser.add_argument("--natural-step", type=float, default=1.0, help="natural-gradient step size")
     parser.add_argument("--natural-damping", type=float, default=0.1, help="natural-gradient relative damping")
+    parser.add_argument(
+        "--anneal",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="step size falls linearly to 0 by the last update (default), so the policy settles",
+    )
     parser.add_argument("--max-grad-norm", type=float, default=0.3, help="cap on a step's norm (natural) or grad norm")
     parser.add_argument("--action-mode", choices=["score", "generate"], default="score")
     parser.add_argument("--lora-layers", type=int, default=8, help="adapt the top N layers only (0 = all)")
@@ -156,6 +167,7 @@ def main():
             natural_gradient=args.natural_gradient,
             natural_step=args.natural_step,
             natural_damping=args.natural_damping,
+            anneal_updates=math.ceil(args.episodes / args.batch_size) if args.anneal else 0,
         ),
         replay_config=ReplayConfig(min_return=1.0),  # imitate won hands only
         generation_config={"max_new_tokens": args.max_new_tokens},
