@@ -170,8 +170,9 @@ def kl_exceeded(approx_kl: float, target_kl: float | None, factor: float = 1.5) 
 
 
 def linear_anneal(update: int, anneal_updates: int) -> float:
-    """Step-size factor of the update that follows `update` finished ones: 1 at first, falling linearly to 0 at
-    update `anneal_updates` (CleanRL's `--anneal-lr`); always 1 when `anneal_updates` is 0."""
+    """Step-size factor of the update that follows `update` finished ones: 1 at first, falling linearly over
+    `anneal_updates` updates (the last gets 1/anneal_updates) to 0 after them (CleanRL's `--anneal-lr`); always 1
+    when `anneal_updates` is 0."""
     if anneal_updates == 0:
         return 1.0
     return max(0.0, 1.0 - update / anneal_updates)
