@@ -91,14 +91,13 @@ class RowGradients:
     def take(self, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(G, t) of the rows recorded since the last call, and forget them.
 
-        With `out` (a (B, P) float32 view, e.g. rows of a buffer holding a whole minibatch), G is written there and
-        `out` is returned, so no second copy of the per-row gradients is made.
+        With `out` (a float32 (>= B, P) view, e.g. the free rows of a buffer holding a whole minibatch), G is
+        written into its first B rows and returned, so no second copy of the per-row gradients is made.
         """
         if self._out_sq is None or not self._grads:
             raise RuntimeError("RowGradients.take() before a recorded forward and backward pass.")
         rows = self._out_sq.shape[0]
-        if out is None:
-            out = torch.empty(rows, self.width, device=self._out_sq.device)
+        out = torch.empty(rows, self.width, device=self._out_sq.device) if out is None else out[:rows]
         offset = 0
         for p in self.params:
             g = self._grads.get(id(p))

@@ -265,9 +265,9 @@ class PPOTrainer:
             if not self._backward(loss):  # the per-input gradients are recorded by hooks set in the forward pass
                 return None
             if rows is not None:
-                n = len(torch.unique(groups[part]))
-                self._row_targets.append(rows.take(out=self._row_grads[filled : filled + n])[1])
-                filled += n
+                targets = rows.take(out=self._row_grads[filled:])[1]
+                self._row_targets.append(targets)
+                filled += len(targets)
             for key, value, share in (
                 ("ppo/policy_loss", pg_loss, token_share),
                 ("ppo/value_loss", v_loss, row_share),
