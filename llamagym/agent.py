@@ -30,6 +30,7 @@ from .slots import Slot
 from .trainer import PPOTrainer
 
 ACTION_MODES = ("auto", "generate", "score")
+_FROM_CLASS = object()  # `context_turns` left out: the class attribute decides
 
 
 class Agent(ABC):
@@ -54,7 +55,8 @@ class Agent(ABC):
         max_prompt_tokens: token budget of one prompt; older exchanges are dropped to fit it. The system prompt
             alone must fit: it is checked here, so `get_system_prompt` must work once `__init__` is called.
         context_turns: how many past exchanges a prompt keeps (None = as many as fit; 0 = only the current
-            observation, a Markov policy when the observation is the whole state, e.g. Blackjack).
+            observation, a Markov policy when the observation is the whole state, e.g. Blackjack). Left out, the
+            class attribute `context_turns` decides (None unless the subclass sets it).
         fallback_action: the action used when a reply cannot be parsed. Set it to a valid action of your env.
         format_penalty: subtracted from a turn's reward when its reply could not be parsed.
         action_space: the env's action space, to reject parsed actions outside it.
@@ -78,7 +80,7 @@ class Agent(ABC):
         sft_warm_start: bool = False,
         use_target_kl: bool | None = None,
         max_prompt_tokens: int = 1024,
-        context_turns: int | None = None,
+        context_turns: int | None | object = _FROM_CLASS,
         fallback_action: Any = 0,
         format_penalty: float = 0.0,
         action_space=None,
@@ -103,7 +105,9 @@ class Agent(ABC):
             str(getattr(model.config, "name_or_path", "")), getattr(model.config, "model_type", None)
         )
         system_role = False if (self.spec is not None and not self.spec.system_role) else None
-        self.formatter = ChatFormatter(tokenizer, max_prompt_tokens, system_role, context_turns)
+        if context_turns is not _FROM_CLASS:
+            self.context_turns = context_turns
+        self.formatter = ChatFormatter(tokenizer, max_prompt_tokens, system_role, self.context_turns)
         system_tokens = len(self.formatter.encode(self.formatter.messages(self.get_system_prompt(), [_EMPTY_USER])))
         if system_tokens > max_prompt_tokens:
             raise ValueError(
@@ -153,6 +157,9 @@ class Agent(ABC):
         return list(self.action_names) if self.action_names is not None else None
 
     action_names: list[str] | None = None
+    # A subclass whose observation is the whole state sets 0: prompts then hold the current observation only
+    # (a Markov policy: shorter prompts, repeated inputs computed once, exact table evaluation).
+    context_turns: int | None = None
 
     # ---- the loop API: one env ---------------------------------------------------------------------------------
     def act(self, observation):
