@@ -11,6 +11,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -122,7 +123,11 @@ class Policy(nn.Module):
                     f"LoRA `bias` should be 'none' so that disabling the adapter gives the reference model exactly. "
                     f"Received {lora_config.bias!r}."
                 )
-            self.model = get_peft_model(model, lora_config)
+            with warnings.catch_warnings():
+                # peft reads `is_gradient_checkpointing`, which transformers 5 renamed: a FutureWarning on every run
+                # that the user can do nothing about (the property still works)
+                warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+                self.model = get_peft_model(model, lora_config)
         config = self.causal_lm().config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.value_head = ValueHead(text_config.hidden_size).to(self.device)

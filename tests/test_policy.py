@@ -110,3 +110,11 @@ def test_lora_layers_adapts_only_the_top_layers(model):
     assert adapted == {"1"}  # the tiny model has layers 0 and 1
     with pytest.raises(ValueError, match="lora_layers"):
         Policy(model, LoraConfig(r=4, target_modules=["q_proj"], bias="none"), lora_layers=3)
+
+
+def test_wrapping_a_model_in_lora_prints_no_deprecation_warning(model, recwarn):
+    import warnings
+
+    warnings.simplefilter("always")
+    Policy(model)
+    assert not [w for w in recwarn if "is_gradient_checkpointing" in str(w.message)]
