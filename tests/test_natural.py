@@ -27,7 +27,7 @@ def row_loss(out, weights):
 
 @pytest.mark.parametrize("mode, into_buffer", [("score", False), ("generate", False), ("score", True)])
 def test_hooked_per_row_gradients_equal_one_backward_per_row(model, lora_config, mode, into_buffer):
-    policy = Policy(model, lora_config)
+    policy = Policy(model, lora_config, precision="fp32")  # an identity of the maths: bf16 rounding would blur it
     with torch.no_grad():
         policy.value_head.linear.weight.normal_()
     params = policy.trainable_parameters()
@@ -52,7 +52,8 @@ def test_hooked_per_row_gradients_equal_one_backward_per_row(model, lora_config,
         assert grads.data_ptr() == buffer[1].data_ptr() and (buffer[[0, 4]] == 7).all()
     # the plain gradient is still accumulated as usual, and equals the sum of the rows
     plain = torch.cat([p.grad.flatten() for p in params])
-    torch.testing.assert_close(grads.sum(0), plain, rtol=1e-4, atol=1e-6)
+    # summed in another order than autograd's: float32 rounding of gradients of order 1 reaches a few 1e-6
+    torch.testing.assert_close(grads.sum(0), plain, rtol=1e-4, atol=2e-5)
     # targets: |d loss_i / d outputs_i|^2 (the -inf candidates of row 0 have zero gradient)
     finite = torch.isfinite(out.logprobs)
     expected_t = (weights[:, : out.logprobs.shape[1]] * finite).pow(2).sum(-1) + (2 * (out.values - 0.5)).pow(2)
