@@ -15,7 +15,6 @@ expected return of the greedy policy, and how many of the 280 states agree with 
 """
 
 import argparse
-import importlib.util
 import json
 import time
 from pathlib import Path
@@ -25,26 +24,16 @@ import torch
 
 from llamagym import load_model_and_tokenizer
 from llamagym.acting import decide
-from llamagym.blackjack import STATES, exact_return, optimal_advantages, optimal_policy
+from llamagym.envs.blackjack import STATES, BlackjackAgent, exact_return, optimal_advantages, optimal_policy
 from llamagym.natural import RowGradients, natural_direction, subtract_flat
 from llamagym.rollout import collate_scored
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def example_module():
-    spec = importlib.util.spec_from_file_location("blackjack_example", ROOT / "examples" / "blackjack.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def run(method, args, example, gains, best):
+def run(method, args, gains, best):
     model, tokenizer = load_model_and_tokenizer(args.model)
-    agent = example.BlackjackAgent(
+    agent = BlackjackAgent(  # the example's agent: its prompts, action names and context_turns = 0
         model,
         tokenizer,
-        context_turns=0,
         lora_layers=args.lora_layers,
         action_space=gym.make("Blackjack-v1").action_space,
     )
@@ -102,11 +91,11 @@ def main():
     parser.add_argument("--max-grad-norm", type=float, default=0.3, help="step-norm clip (the example's)")
     parser.add_argument("--output", default="benchmarks/results/natural_gradient.json")
     args = parser.parse_args()
-    example, gains, best = example_module(), optimal_advantages(), optimal_policy()
+    gains, best = optimal_advantages(), optimal_policy()
     results = {"args": vars(args), "optimal_agree": len(STATES)}
     for method in ("adamw", "natural"):
         torch.manual_seed(0)  # the same fresh adapter for both
-        results[method] = run(method, args, example, gains, best)
+        results[method] = run(method, args, gains, best)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(results, indent=1))
     for method in ("adamw", "natural"):

@@ -1,9 +1,10 @@
 """Teach an LLM to play Blackjack with online RL (PPO on a LoRA adapter), on a laptop CPU.
 
-The agent sees its hand in words and answers "stick" or "hit". By default it scores those two replies (one
-forward pass for all envs) instead of generating free text; `--action-mode generate` samples and parses
-replies the way the original LlamaGym did. Its greedy policy is a table over 280 states, so the run ends with
-the *exact* expected return of that policy (no sampling noise), beside the optimal one.
+The agent (`BlackjackAgent` of `llamagym/envs/blackjack.py`) sees its hand in words and answers "stick" or "hit".
+By default it scores those two replies (one forward pass for all envs) instead of generating free text;
+`--action-mode generate` samples and parses replies the way the original LlamaGym did. Its greedy policy is a table
+over 280 states, so the run ends with the *exact* expected return of that policy (no sampling noise), beside the
+optimal one.
 
 Smoke run (seconds, tiny random model):  python examples/blackjack.py --model tiny-random --episodes 8 --device cpu
 Sanity run (embedded SmolLM2-135M):     python examples/blackjack.py --episodes 5
@@ -25,33 +26,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from llamagym import Agent, PPOConfig, ReplayConfig, load_model_and_tokenizer
-from llamagym.blackjack import STATES, exact_return, optimal_policy, policy_table, reference_returns
+from llamagym import PPOConfig, ReplayConfig, load_model_and_tokenizer
+from llamagym.envs.blackjack import (
+    STATES,
+    BlackjackAgent,  # its prompts, reply parsing and action names; context_turns = 0 (Markov, evaluable exactly)
+    exact_return,
+    optimal_policy,
+    policy_table,
+    reference_returns,
+)
+from llamagym.envs.blackjack_plot import plot_blackjack_policy
 from llamagym.evaluation import sampled_return, save_json
-from llamagym.plots import plot_blackjack_policy, plot_learning_curve
-
-
-class BlackjackAgent(Agent):
-    action_names = ["stick", "hit"]  # scoring mode: action i is the reply action_names[i]
-
-    def get_system_prompt(self) -> str:
-        # Short prompts are cheap, and this wording gives "hit" about 25% prior probability (the model's prior
-        # under "Reply with one word: hit or stick" is 4%, too little for PPO to ever see a hit pay off).
-        return "Blackjack. Answer hit or stick."
-
-    def format_observation(self, observation) -> str:
-        player_sum, dealer_card, usable_ace = observation
-        ace = " (usable ace)" if usable_ace else ""
-        return f"Total {player_sum}{ace}, dealer {dealer_card}. Hit or stick?"
-
-    def extract_action(self, response: str):
-        words = response.lower().replace(".", " ").split()
-        for word in words:
-            if word in ("hit", "1"):
-                return 1
-            if word in ("stick", "stand", "stay", "0"):
-                return 0
-        return None  # no action named: the agent plays `fallback_action` and counts it as invalid
+from llamagym.plots import plot_learning_curve
 
 
 def parse_args():
@@ -177,7 +163,6 @@ def main():
         precision=args.precision,
         # the backward pass stops at the lowest adapted layer (a small model may have fewer than asked for)
         lora_layers=min(args.lora_layers, model.config.num_hidden_layers) or None,
-        context_turns=0,  # the observation is the whole state: a Markov policy, evaluable exactly
         fallback_action=0,  # stick when a generated reply names no action
         action_space=env.action_space,
     )

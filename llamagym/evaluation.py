@@ -1,7 +1,7 @@
 """Sampled evaluation of any agent: mean return with a confidence interval, outcome rates, and atomic JSON output.
 
-For Blackjack prefer the exact numbers of `llamagym.blackjack`; this module is for every other environment, and
-for checking those exact numbers against the real env.
+For Blackjack prefer the exact numbers of `llamagym.envs.blackjack`; this module is for every other environment,
+and for checking those exact numbers against the real env.
 """
 
 from __future__ import annotations

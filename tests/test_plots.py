@@ -1,4 +1,4 @@
-"""Plots: both PNGs are written and valid; matplotlib stays optional and is imported only when drawing."""
+"""Plots: the learning-curve PNG is written and valid; matplotlib stays optional and is imported only when drawing."""
 
 import subprocess
 import sys
@@ -6,8 +6,8 @@ import sys
 import numpy as np
 import pytest
 
-from llamagym import blackjack as bj
 from llamagym import plots
+from llamagym.envs import blackjack as bj
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -38,18 +38,6 @@ def test_moving_average_is_a_trailing_mean():
     np.testing.assert_allclose(stderr, [0.0, 1.0, 1.0, 1.0])
 
 
-def test_blackjack_policy_png(tmp_path):
-    agent = bj.policy_table(bj.stick_on_17)
-    path = plots.plot_blackjack_policy(agent, bj.policy_table(bj.optimal_policy()), tmp_path / "policy.png")
-    assert_png(path)
-
-
-def test_blackjack_policy_accepts_json_keys_and_default_optimal(tmp_path):
-    table = bj.policy_table(bj.uniform_random)
-    as_json = {kind: {str(total): row for total, row in rows.items()} for kind, rows in table.items()}
-    assert_png(plots.plot_blackjack_policy(as_json, None, tmp_path / "policy.png"))
-
-
 def test_missing_matplotlib_gives_an_install_hint(tmp_path, monkeypatch):
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.setitem(sys.modules, name, None)
@@ -60,7 +48,7 @@ def test_missing_matplotlib_gives_an_install_hint(tmp_path, monkeypatch):
 
 def test_importing_the_modules_does_not_import_matplotlib():
     code = (
-        "import sys, llamagym.plots, llamagym.blackjack, llamagym.evaluation; "
+        "import sys, llamagym.plots, llamagym.envs.blackjack, llamagym.envs.blackjack_plot, llamagym.evaluation; "
         "assert not any(m.startswith('matplotlib') for m in sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
