@@ -1,0 +1,320 @@
+"""The learning suite: every game x {score, generate} x seeds, trained with llamagym's defaults, evaluated exactly.
+
+Each run builds the game's ready agent with exactly what `Agent(...)` and `PPOConfig(seed=seed)` give by default
+(only the game's hooks differ), plays `--num-envs` envs side by side for `--budget` seconds of training, and
+evaluates the greedy policy exactly before, every `--eval-every` training seconds, and at the end (evaluation time
+is not counted in the budget). Each run is a child process, so its peak RSS is its own.
+
+Quick check (about a minute, tiny random model):  python benchmarks/learning_suite.py --quick
+The benchmark (hours at the default budget):       python benchmarks/learning_suite.py
+An experiment (overrides are printed and saved):   python benchmarks/learning_suite.py --games rooms \
+                                                       --modes score --ppo mini_batch_size=4096 --agent lora_layers=8
+
+Writes `--output`/results.json (after every run), results.md (the table) and <game>.png (normalised score against
+training time, one line per mode and seed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import multiprocessing as mp
+import os
+import platform
+import resource
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+import llamagym.envs as suite
+from llamagym.evaluation import save_json
+
+THRESHOLDS = (0.5, 0.8)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--games", default="all", help=f"comma-separated, or all: {', '.join(suite.GAMES)}")
+    parser.add_argument("--modes", default="score,generate", help="comma-separated action modes")
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    parser.add_argument("--budget", type=float, default=600.0, help="training seconds per run (evaluation excluded)")
+    parser.add_argument("--eval-every", type=float, default=60.0, help="training seconds between evaluations")
+    parser.add_argument("--num-envs", type=int, default=16, help="envs played side by side (one forward per step)")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="registry name, hub id or local path")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per run")
+    parser.add_argument("--ppo", nargs="*", default=[], metavar="KEY=VALUE", help="PPOConfig overrides")
+    parser.add_argument("--agent", nargs="*", default=[], metavar="KEY=VALUE", help="Agent(...) overrides")
+    parser.add_argument("--output", default="benchmarks/results/learning_suite", help="output folder")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 1 seed, 3 s per run: checks it all works")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.seeds, args.budget, args.eval_every, args.num_envs = "tiny-random", "0", 3.0, 1e9, 4
+        args.output = args.output if args.output != parser.get_default("output") else args.output + "_quick"
+    args.games = list(suite.GAMES) if args.games == "all" else [suite.get_game(g).name for g in args.games.split(",")]
+    args.modes = args.modes.split(",")
+    bad = [m for m in args.modes if m not in ("score", "generate")]
+    if bad:
+        parser.error(f"--modes should name score and/or generate. Received {', '.join(bad)}.")
+    args.seeds = [int(s) for s in args.seeds.split(",")]
+    args.overrides = {"ppo": _pairs(parser, "--ppo", args.ppo), "agent": _pairs(parser, "--agent", args.agent)}
+    from llamagym import PPOConfig
+
+    try:
+        PPOConfig(**args.overrides["ppo"])
+    except (TypeError, ValueError) as err:
+        parser.error(f"--ppo: {err}")
+    return args
+
+
+def _pairs(parser, flag: str, items: list[str]) -> dict:
+    """KEY=VALUE strings -> dict; values are Python literals where they parse (2e-4, True, None), else strings."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"{flag} takes KEY=VALUE pairs. Received {item!r}.")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux), as `lscpu | grep 'Model name'` prints it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**30 if sys.platform == "darwin" else peak / 2**20
+
+
+def train(game_name: str, mode: str, seed: int, args) -> dict:
+    """One run: the user's loop over N envs with the game's agent, exact evaluations on the way."""
+    import random
+
+    import gymnasium as gym
+    import torch
+    from tqdm import tqdm
+
+    from llamagym import PPOConfig, load_model_and_tokenizer
+
+    torch.set_num_threads(args.threads)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    game = suite.get_game(game_name)
+    model, tokenizer = load_model_and_tokenizer(args.model, device="cpu")
+    envs = [gym.make(game.env_id) for _ in range(args.num_envs)]
+    agent = game.agent_for()(
+        model,
+        tokenizer,
+        action_space=envs[0].action_space,
+        action_mode=mode,
+        ppo_config=PPOConfig(**{"seed": seed, **args.overrides["ppo"]}),
+        **{**game.agent_kwargs, **args.overrides["agent"]},
+    )
+
+    curve, clock = [], {"train": 0.0, "eval": 0.0, "updates": 0, "episodes": 0}
+
+    def record():
+        start = time.perf_counter()
+        figures = suite.evaluate(game, agent)
+        clock["eval"] += time.perf_counter() - start
+        point = {k: clock[k] for k in ("train", "updates", "episodes")}
+        point.update(normalised=figures["normalised"], score=figures["score"], invalid=figures.get("invalid_rate"))
+        curve.append(point)
+        return figures
+
+    record()
+    next_seed = seed * 1_000_003
+    observations = []
+    for env in envs:
+        observations.append(env.reset(seed=next_seed)[0])
+        next_seed += 1
+    update_s, invalid_train, last_eval = [], [], 0.0
+    progress = tqdm(
+        total=round(args.budget), desc=f"{game_name}/{mode}/seed {seed}", unit="s", leave=False, mininterval=5
+    )
+    while clock["train"] < args.budget:
+        start = time.perf_counter()
+        actions = agent.act_batch(observations)
+        results = [env.step(action) for env, action in zip(envs, actions, strict=True)]
+        agent.assign_rewards([r[1] for r in results])
+        dones = [r[2] or r[3] for r in results]
+        stats = agent.end_episodes(
+            dones, truncated=[r[3] and not r[2] for r in results], final_observations=[r[0] for r in results]
+        )
+        for i, done in enumerate(dones):
+            observations[i] = results[i][0]
+            if done:
+                observations[i] = envs[i].reset(seed=next_seed)[0]
+                next_seed += 1
+        clock["train"] += time.perf_counter() - start
+        clock["episodes"] += sum(dones)
+        if "ppo/policy_loss" in stats:
+            clock["updates"] += 1
+            update_s.append(stats["time/update_s"])
+            invalid_train.append(stats["agent/batch_invalid_action_rate"])
+        progress.n = min(round(clock["train"]), progress.total)
+        progress.set_postfix(updates=clock["updates"], score=f"{curve[-1]['normalised']:.2f}", refresh=False)
+        if clock["train"] - last_eval >= args.eval_every and clock["train"] < args.budget:
+            record()
+            last_eval = clock["train"]
+    progress.close()
+    final = record()
+    scores = [p["normalised"] for p in curve]
+    return {
+        "game": game_name,
+        "mode": mode,
+        "seed": seed,
+        "measure": game.measure,
+        "before": scores[0],
+        "best": max(scores),
+        "final": scores[-1],
+        **{f"t{int(th * 100)}": next((p["train"] for p in curve if p["normalised"] >= th), None) for th in THRESHOLDS},
+        "invalid_train": invalid_train[-1] if invalid_train else None,
+        "invalid_final": final.get("invalid_rate"),
+        "updates": clock["updates"],
+        "episodes": clock["episodes"],
+        "s_per_update": float(np.mean(update_s)) if update_s else None,
+        "train_s": clock["train"],
+        "eval_s": clock["eval"],
+        "peak_rss_gib": peak_rss_gib(),
+        "final_figures": final,
+        "curve": curve,
+    }
+
+
+def _child(connection, game_name, mode, seed, args):
+    try:
+        connection.send(train(game_name, mode, seed, args))
+    except BaseException as err:  # report any failure to the parent, which records it and goes on
+        connection.send({"game": game_name, "mode": mode, "seed": seed, "error": f"{err!r}\n{traceback.format_exc()}"})
+    finally:
+        connection.close()
+
+
+def run_in_child(game_name: str, mode: str, seed: int, args) -> dict:
+    """`train` in a fresh child process (forked where possible: the imports are already done)."""
+    context = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(target=_child, args=(send, game_name, mode, seed, args))
+    process.start()
+    send.close()
+    try:
+        result = receive.recv()
+    except EOFError:  # the child died without a word (killed, out of memory)
+        result = {"game": game_name, "mode": mode, "seed": seed, "error": "the run's process died"}
+    process.join()
+    if process.exitcode and "error" not in result:
+        result["error"] = f"exit code {process.exitcode}"
+    return result
+
+
+def _fmt(value, spec=".2f", none="-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def markdown(runs: list[dict], header: dict) -> str:
+    lines = [
+        "# Learning suite",
+        "",
+        *(f"- {key}: {value}" for key, value in header.items()),
+        "",
+        "Normalised scores (0 = uniform random play, 1 = optimal), exact evaluations of the greedy policy. "
+        "t50/t80: training seconds to first reach 0.5/0.8. invalid: share of unparsable replies in the last "
+        "update's batch (generate mode).",
+        "",
+        "| game | mode | seed | before | best | final | t50 (s) | t80 (s) | invalid | updates | s/update | RSS (GiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in runs:
+        if "error" in r:
+            lines.append(f"| {r['game']} | {r['mode']} | {r['seed']} | failed: {r['error'].splitlines()[0][:80]} |")
+            continue
+        invalid = _fmt(r["invalid_train"]) if r["mode"] == "generate" else "-"
+        lines.append(
+            f"| {r['game']} | {r['mode']} | {r['seed']} | {r['before']:.2f} | {r['best']:.2f} | {r['final']:.2f} "
+            f"| {_fmt(r['t50'], '.0f')} | {_fmt(r['t80'], '.0f')} | {invalid} | {r['updates']} "
+            f"| {_fmt(r['s_per_update'], '.1f')} | {r['peak_rss_gib']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[dict], game_name: str, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    styles = ["-", "--", ":", "-."]
+    for r in runs:
+        if r["game"] != game_name or "error" in r:
+            continue
+        xs = [p["train"] / 60 for p in r["curve"]]
+        ys = [p["normalised"] for p in r["curve"]]
+        color = "C0" if r["mode"] == "score" else "C1"
+        ax.plot(xs, ys, marker="o", ms=3, color=color, ls=styles[r["seed"] % 4], label=f"{r['mode']}, seed {r['seed']}")
+    ax.axhline(0, color="grey", lw=1, ls=":")
+    ax.axhline(1, color="grey", lw=1, ls=":")
+    ax.set_xlabel("training time (min)")
+    ax.set_ylabel("normalised score (0 random, 1 optimal)")
+    ax.set_title(game_name)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    header = {
+        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "CPU": f"{cpu_model()} ({os.cpu_count()} cores; {args.threads} torch threads per run)",
+        "model": args.model,
+        "budget": f"{args.budget:g} training seconds per run, evaluation every {args.eval_every:g} s",
+        "envs": args.num_envs,
+        "overrides": args.overrides if any(args.overrides.values()) else "none (the defaults)",
+    }
+    print("\n".join(f"{k}: {v}" for k, v in header.items()), flush=True)
+    runs = []
+    for game_name in args.games:
+        for mode in args.modes:
+            for seed in args.seeds:
+                start = time.time()
+                result = run_in_child(game_name, mode, seed, args)
+                runs.append(result)
+                if "error" in result:
+                    print(f"{game_name}/{mode}/seed {seed}: FAILED {result['error']}", flush=True)
+                else:
+                    print(
+                        f"{game_name}/{mode}/seed {seed}: before {result['before']:.2f} best {result['best']:.2f} "
+                        f"final {result['final']:.2f}, {result['updates']} updates, "
+                        f"{time.time() - start:.0f} s wall",
+                        flush=True,
+                    )
+                save_json(output / "results.json", {"header": header, "runs": runs})
+        plot(runs, game_name, output / f"{game_name}.png")
+    table = markdown(runs, header)
+    (output / "results.md").write_text(table)
+    print(table)
+    failed = [r for r in runs if "error" in r]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
