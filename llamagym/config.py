@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, fields
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+ADVANTAGE_SCALES = ("batch", "returns", "none")
 
 
 def _check(ok: bool, name: str, value, accepted: str) -> None:
@@ -43,7 +44,7 @@ class PPOConfig:
     learning_rate: float = 2e-4  # AdamW step size for the LoRA adapter (and the value head, unless set below)
     value_learning_rate: float | None = None  # AdamW step size for the value head; None = learning_rate
     batch_size: int = 8  # episodes collected before each PPO update
-    mini_batch_size: int = 8  # turns per optimizer step (more than a batch holds = one full-batch step an epoch)
+    mini_batch_size: int | None = 8  # turns per optimizer step; None (or more than a batch holds) = the whole batch
     micro_batch_size: int | None = 8  # distinct inputs per forward/backward within a step (bounds memory); None = all
     ppo_epochs: int = 2  # passes over the batch per update
     gamma: float = 1.0  # discount across the turns of an episode
@@ -53,7 +54,10 @@ class PPOConfig:
     vf_coef: float = 0.5  # weight of the value loss
     ent_coef: float = 0.0  # weight of the entropy bonus on response tokens
     max_grad_norm: float = 1.0  # global gradient-norm clip (with natural_gradient: of the adapter step itself)
-    whiten_advantages: bool = True  # normalise advantages over the batch's turns (needs at least 2 turns)
+    whiten_advantages: bool = True  # center advantages on the batch's mean and divide them by `advantage_scale`
+    advantage_scale: str = "batch"  # whitening divides by: "batch" (this batch's advantage std), "returns" (the std of
+    # every return seen so far: a batch of equal returns stays near 0 instead of becoming unit noise), or "none"
+    max_kl: float | None = None  # trust region: backtrack each step until the mean KL(old || new) per turn <= this
     kl_coef: float = 0.05  # initial weight of the per-turn KL to the reference policy in the reward
     kl_estimator: str = "k1"  # per-token estimator of kl_ref: k1, k2 or k3
     adaptive_kl: bool = True  # adapt kl_coef toward kl_target (Ziegler et al. 2019)
@@ -80,7 +84,7 @@ class PPOConfig:
                 "learning_rate": positive,
                 "value_learning_rate": (lambda v: v is None or (_num(v) and v > 0), "None or a number > 0"),
                 "batch_size": count,
-                "mini_batch_size": count,
+                "mini_batch_size": (lambda v: v is None or (_int(v) and v >= 1), "None or an integer >= 1"),
                 "micro_batch_size": (lambda v: v is None or (_int(v) and v >= 1), "None or an integer >= 1"),
                 "ppo_epochs": count,
                 "gamma": unit,
@@ -91,6 +95,8 @@ class PPOConfig:
                 "ent_coef": non_negative,
                 "max_grad_norm": positive,
                 "whiten_advantages": (lambda v: isinstance(v, bool), "True or False"),
+                "advantage_scale": (lambda v: v in ADVANTAGE_SCALES, f"one of {', '.join(ADVANTAGE_SCALES)}"),
+                "max_kl": (lambda v: v is None or (_num(v) and v > 0), "None (no trust region) or a number > 0"),
                 "kl_coef": non_negative,
                 "kl_estimator": (lambda v: v in KL_ESTIMATORS, f"one of {', '.join(KL_ESTIMATORS)}"),
                 "adaptive_kl": (lambda v: isinstance(v, bool), "True or False"),

@@ -1,10 +1,12 @@
 """PPO math as pure tensor functions: log-probs, masked statistics, GAE, KL estimators, clipped losses.
 
 Conventions: time is the last dim; `mask` is a float {0, 1} tensor with 1 on response tokens; `dones[..., t] = 1`
-means the episode ended at step t. Only `AdaptiveKLController` / `FixedKLController` keep state.
+means the episode ended at step t. Only the KL controllers and `RunningMoments` keep state.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -155,6 +157,24 @@ def value_loss(
     return 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask), clipfrac
 
 
+def scale_advantages(advantages: Tensor, how: str, returns_std: float) -> Tensor:
+    """Center advantages on their mean and divide them by a scale: this batch's std ("batch", classic whitening),
+    `returns_std` ("returns": the spread of every return seen so far; 1 while all were equal) or 1 ("none").
+
+    "batch" turns any spread into unit advantages: when a solved policy makes every return equal, what is left is
+    value-head noise, which it blows up into full-size steps. "returns" keeps that noise as small as it is.
+
+    Raises:
+        ValueError: fewer than 2 advantages ("batch" needs a spread), or an unknown `how`.
+    """
+    if how == "batch":
+        return masked_whiten(advantages, torch.ones_like(advantages))
+    if how not in ("returns", "none"):
+        raise ValueError(f"`how` should be one of batch, returns, none. Received {how!r}.")
+    scale = returns_std if how == "returns" and returns_std > 1e-6 else 1.0  # below: float noise of equal returns
+    return (advantages - advantages.mean()) / scale
+
+
 def approx_kl(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
     """k3 estimate of KL(π_old || π), as in CleanRL: mean_mask (r - 1) - log r, r = exp(logprobs - old_logprobs).
 
@@ -219,3 +239,37 @@ class AdaptiveKLController(FixedKLController):
     def update(self, current_kl: float, n_steps: int) -> None:
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
+
+
+class RunningMoments:
+    """Mean and standard deviation of every value seen so far (Chan et al.'s parallel update of Welford's method).
+
+    The scale of returns for `PPOConfig(advantage_scale="returns")`: unlike one batch's spread, it does not fall to
+    0 when a solved policy makes every return of a batch equal.
+    """
+
+    def __init__(self) -> None:
+        self.count, self.mean, self.m2 = 0, 0.0, 0.0
+
+    def update(self, values: Tensor) -> None:
+        values = values.detach().double().flatten()
+        n = values.numel()
+        if n == 0:
+            return
+        mean, m2 = float(values.mean()), float(((values - values.mean()) ** 2).sum())
+        total = self.count + n
+        delta = mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += m2 + delta**2 * self.count * n / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        """Population standard deviation (0 before two values)."""
+        return math.sqrt(self.m2 / self.count) if self.count > 1 else 0.0
+
+    def state_dict(self) -> dict[str, float]:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])

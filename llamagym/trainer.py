@@ -15,6 +15,7 @@ small step.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -39,6 +40,7 @@ from .rollout import (
     prompt_batch,
     select,
 )
+from .trust_region import TrustRegion, categorical_kl
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +79,8 @@ class PPOTrainer:
         policy.value_head.detach_input = config.natural_gradient
         self._row_grads: torch.Tensor | None = None  # the minibatch's per-input gradients G (natural_gradient)
         self._row_targets: list[torch.Tensor] = []  # and their output-gradient targets t, per micro-batch
+        self.trust_region = TrustRegion(lm_params, config.max_kl) if config.max_kl is not None else None
+        self.return_moments = ppo.RunningMoments()  # every return so far: the scale of advantage_scale="returns"
         self.generator = torch.Generator().manual_seed(config.seed)
         self.num_updates = 0
         self.step_scale = 1.0  # this update's factor on the adapter's step size (see `anneal_updates`)
@@ -98,15 +102,17 @@ class PPOTrainer:
         mask = _action_mask(batch)
         # Shuffles for every epoch are drawn up front: the old log-probs are computed on epoch 0's minibatches,
         # so the first minibatch repeats that exact forward and its ratio is exactly 1.
-        plans = [minibatch_indices(len(turns), cfg.mini_batch_size, self.generator) for _ in range(cfg.ppo_epochs)]
+        size = cfg.mini_batch_size or len(turns)
+        plans = [minibatch_indices(len(turns), size, self.generator) for _ in range(cfg.ppo_epochs)]
 
-        # 1. old log-probs and values, reference log-probs (no grad, dropout off)
-        old_logprobs, old_values = self._score(batch, groups, plans[0], reference=False)
+        # 1. old log-probs and values (and, scoring, the old distributions over candidates), reference log-probs
+        #    (no grad, dropout off)
+        old_logprobs, old_values, old_dists = self._score(batch, groups, plans[0], reference=False)
         if self.kl_controller.value == 0 and not cfg.adaptive_kl:
             ref_logprobs = old_logprobs  # the KL term is off: skip the reference forward pass
         else:
             with self.policy.reference():
-                ref_logprobs, _ = self._score(batch, groups, plans[0], reference=True)
+                ref_logprobs, _, _ = self._score(batch, groups, plans[0], reference=True)
 
         # 2. per-turn rewards: env reward minus the KL penalty to the reference
         kl_ref = (ppo.kl_penalty(old_logprobs, ref_logprobs, cfg.kl_estimator) * mask).sum(dim=-1)
@@ -115,8 +121,17 @@ class PPOTrainer:
 
         # 3. GAE across the turns of each episode (bootstrap on truncation only)
         advantages, returns = self._advantages(episodes, rewards, old_values)
+        self.return_moments.update(returns)
+        spread = {"adv/raw_std": _std(advantages), "adv/return_std": _std(returns)}
         if cfg.whiten_advantages and len(turns) >= 2:
-            advantages = ppo.masked_whiten(advantages, torch.ones_like(advantages))
+            if spread["adv/return_std"] <= 1e-6 * (1.0 + float(returns.abs().max())):
+                # every action led to the same return: nothing says one was better, and what A = R - V holds is
+                # the value head's error, which whitening would blow up into full-size steps (a solved policy
+                # then collapses). No policy step; the value head still learns.
+                advantages = torch.zeros_like(advantages)
+                spread["adv/equal_returns"] = 1.0
+            else:
+                advantages = ppo.scale_advantages(advantages, cfg.advantage_scale, self.return_moments.std)
         self._batch_summary = (
             f"batch of {len(turns)} turns: mean reward {float(env_rewards.mean()):.4g}, advantages in "
             f"[{float(advantages.min()):.4g}, {float(advantages.max()):.4g}], kl/ref {float(kl_ref.mean()):.4g}"
@@ -134,7 +149,14 @@ class PPOTrainer:
                     self.optimizer.zero_grad(set_to_none=True)
                     early_stopped = True
                     break
-                self._step(stats)
+                if self.trust_region is not None:
+                    self.trust_region.remember()
+                if self._step(stats) and self.trust_region is not None:
+                    measure = functools.partial(
+                        self._measure, batch, groups, index, old_logprobs, old_dists, advantages, mb["ppo/surrogate"]
+                    )
+                    for key, value in self.trust_region.enforce(measure, self._moved).items():
+                        stats[f"trust/{key}"].append(value)
                 done += 1
                 for key, value in mb.items():
                     stats[key].append(value)
@@ -152,6 +174,8 @@ class PPOTrainer:
 
         self.num_updates += 1
         result = {key: sum(values) / len(values) for key, values in stats.items() if values}
+        if "trust/scale" in stats:
+            result["trust/undone"] = float(sum(scale == 0 for scale in stats["trust/scale"]))
         result.update(
             {
                 "ppo/early_stopped": float(early_stopped),
@@ -168,6 +192,8 @@ class PPOTrainer:
                 "kl/ref": mean_kl_ref,
                 "kl/coef": float(self.kl_controller.value),
                 "env/batch_return": sum(e.env_return for e in episodes) / len(episodes),
+                "adv/returns_running_std": self.return_moments.std,
+                **spread,
                 "time/update_s": time.perf_counter() - start,
                 **sft_stats,
             }
@@ -192,7 +218,8 @@ class PPOTrainer:
             )
 
     def _evaluate(self, batch, groups, part, with_entropy: bool = False, watch=None, reference: bool = False):
-        """(log-probs, mask, values, entropy) of the actions of rows `part`, shaped (P, T); T = 1 in scoring mode.
+        """(log-probs, mask, values, entropy, distributions) of the actions of rows `part`, shaped (P, T); T = 1 in
+        scoring mode, where the distributions are the (P, C) log-probs of every candidate (None when generating).
 
         Generated turns give one log-prob per response token; scored turns one per turn: log pi(chosen candidate).
         Rows with the same model input (`groups`) are computed once and shared: the result is the same, the cost
@@ -209,12 +236,12 @@ class PPOTrainer:
             chosen = logprobs.gather(1, batch.choice[part][:, None])
             probs = logprobs.exp()
             entropy = -(probs * logprobs.masked_fill(probs == 0, 0.0)).sum(-1, keepdim=True)
-            return chosen, torch.ones_like(chosen), out.values[inverse], entropy
+            return chosen, torch.ones_like(chosen), out.values[inverse], entropy, logprobs
         out = self.policy(*rows, reference=reference, with_entropy=with_entropy)
         if watch is not None:
             watch(out.logprobs)
         entropy = out.entropy[inverse] if out.entropy is not None else None
-        return out.logprobs[inverse], rows.response_mask[inverse], out.values[inverse], entropy
+        return out.logprobs[inverse], rows.response_mask[inverse], out.values[inverse], entropy, None
 
     def _micro(self, groups: torch.Tensor, index: torch.Tensor) -> list[torch.Tensor]:
         """A minibatch's rows in micro-batches of at most `micro_batch_size` distinct inputs (which bounds the
@@ -225,15 +252,21 @@ class PPOTrainer:
 
     @torch.no_grad()
     def _score(self, batch, groups, plan: list[torch.Tensor], reference: bool):
-        """Log-probs (N, T) and values (N,) of the whole batch, computed micro-batch by micro-batch as the first
-        epoch will (so the first minibatch's ratio is exactly 1)."""
+        """Log-probs (N, T), values (N,) and, scoring, the candidate distributions (N, C) of the whole batch,
+        computed micro-batch by micro-batch as the first epoch will (so the first minibatch's ratio is exactly 1)."""
         logprobs = torch.zeros_like(_action_mask(batch))
         values = torch.zeros(batch.input_ids.shape[0], device=logprobs.device)
+        dists = None
         for part in (part for index in plan for part in self._micro(groups, index)):
-            mb_logprobs, _, mb_values, _ = self._evaluate(batch, groups, part, reference=reference)
+            mb_logprobs, _, mb_values, _, mb_dists = self._evaluate(batch, groups, part, reference=reference)
             logprobs[part, : mb_logprobs.shape[1]] = mb_logprobs
             values[part] = mb_values
-        return logprobs, values
+            if mb_dists is not None:
+                if dists is None:  # as wide as the batch's most candidates; a micro-batch may have fewer
+                    width = int(batch.num_candidates.max())
+                    dists = torch.full((len(values), width), -math.inf, device=logprobs.device)
+                dists[part, : mb_dists.shape[1]] = mb_dists
+        return logprobs, values, dists
 
     def _minibatch_loss(self, batch, groups, index, old_logprobs, old_values, advantages, returns) -> dict | None:
         """Forward and backward one minibatch in micro-batches (gradients accumulate); returns its stats.
@@ -251,10 +284,11 @@ class PPOTrainer:
         for part in self._micro(groups, index):
             with rows.recording() if rows is not None else nullcontext():
                 watch = rows.watch if rows is not None else None
-                logprobs, part_mask, values, entropy = self._evaluate(batch, groups, part, True, watch=watch)
+                logprobs, part_mask, values, entropy, _ = self._evaluate(batch, groups, part, True, watch=watch)
             old = old_logprobs[part, : logprobs.shape[1]]
             token_share, row_share = part_mask.sum() / total_tokens, len(part) / total_rows
             part_advantages = advantages[part].unsqueeze(-1).expand_as(old)
+            surrogate = _surrogate(logprobs.detach(), old, part_advantages, part_mask)
             pg_loss, clipfrac = ppo.policy_loss(logprobs, old, part_advantages, part_mask, cfg.clip_coef)
             v_loss, v_clipfrac = ppo.value_loss(
                 values, old_values[part], returns[part], torch.ones_like(values), cfg.vf_clip_coef
@@ -274,11 +308,36 @@ class PPOTrainer:
                 ("ppo/entropy", entropy, token_share),
                 ("ppo/approx_kl", approx_kl, token_share),
                 ("ppo/clipfrac", clipfrac, token_share),
+                ("ppo/surrogate", surrogate, token_share),
                 ("ppo/value_clipfrac", v_clipfrac, row_share),
                 ("ppo/loss", loss, 1.0),
             ):
                 sums[key] += float(value.detach() * share)
         return dict(sums)
+
+    @torch.no_grad()
+    def _measure(self, batch, groups, index, old_logprobs, old_dists, advantages, surrogate_before: float):
+        """How far the policy now is from the batch's old one on rows `index`: the mean and largest KL(old || new)
+        per turn (exact over the candidates when scoring, the k3 estimate summed over the reply when generating),
+        and whether the unclipped surrogate mean(ratio x advantage) improved on `surrogate_before`."""
+        mask = _action_mask(batch)
+        kls, surrogate, tokens = [], 0.0, mask[index].sum()
+        for part in self._micro(groups, index):
+            logprobs, part_mask, _, _, dists = self._evaluate(batch, groups, part)
+            old = old_logprobs[part, : logprobs.shape[1]]
+            if dists is not None:
+                kls.append(categorical_kl(old_dists[part, : dists.shape[1]], dists))
+            else:
+                log_ratio = torch.where(part_mask.bool(), logprobs - old, 0.0)
+                kls.append(((torch.expm1(log_ratio) - log_ratio) * part_mask).sum(-1))
+            part_advantages = advantages[part].unsqueeze(-1).expand_as(old)
+            surrogate += float(_surrogate(logprobs, old, part_advantages, part_mask) * part_mask.sum() / tokens)
+        kl = torch.cat(kls)
+        return float(kl.mean()), float(kl.max()), surrogate >= surrogate_before - 1e-6
+
+    def _moved(self) -> None:
+        """The trust region changed the weights: outputs cached under the old version are stale."""
+        self.policy.version += 1
 
     @torch.no_grad()
     def _advantages(self, episodes: list[Episode], rewards: torch.Tensor, values: torch.Tensor):
@@ -411,6 +470,7 @@ class PPOTrainer:
             "skipped_updates": self.skipped_updates,
             "consecutive_skips": self.consecutive_skips,
             "replay": self.replay.state_dict() if self.replay is not None else None,
+            "return_moments": self.return_moments.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -422,6 +482,8 @@ class PPOTrainer:
         self.consecutive_skips = state.get("consecutive_skips", 0)  # absent in checkpoints of llamagym <= 0.2.0
         if self.replay is not None and state.get("replay") is not None:
             self.replay.load_state_dict(state["replay"])
+        if "return_moments" in state:  # absent in checkpoints written before advantage_scale existed
+            self.return_moments.load_state_dict(state["return_moments"])
 
 
 def distinct_inputs(turns: list[Turn]) -> torch.Tensor:
@@ -436,6 +498,17 @@ def distinct_inputs(turns: list[Turn]) -> torch.Tensor:
         reply = tuple(map(tuple, turn.candidates)) if turn.candidates is not None else tuple(turn.response_ids)
         numbered.append(ids.setdefault((tuple(turn.prompt_ids), reply), len(ids)))
     return torch.tensor(numbered, dtype=torch.long)
+
+
+def _surrogate(logprobs, old_logprobs, advantages, mask) -> torch.Tensor:
+    """The unclipped PPO surrogate, masked mean of ratio x advantage (TRPO's objective)."""
+    ratio = torch.exp(torch.where(mask.bool(), logprobs - old_logprobs, 0.0))
+    return ppo.masked_mean(ratio * advantages, mask)
+
+
+def _std(x: torch.Tensor) -> float:
+    """Population std of a tensor's entries (0 for fewer than 2)."""
+    return float(x.std(unbiased=False)) if x.numel() > 1 else 0.0
 
 
 def _action_mask(batch: TurnBatch | ScoreBatch) -> torch.Tensor:

@@ -1,0 +1,95 @@
+"""A trust region on every policy step: the batch's KL(old || new) stays under `max_kl` (TRPO's line search).
+
+Why: with whole-batch minibatches the PPO ratio is 1 on an epoch's first step, so the clip never binds there and
+the step size alone decides how far the policy moves. A natural-gradient step moves each input's log-probs by a
+set amount whatever their probability, so one step can push a rare (wrong) action of a solved, near-deterministic
+state far up. TRPO's answer (Schulman et al. 2015, arXiv:1502.05477, §6) bounds the mean KL between the policy that
+collected the batch and the new one, and backtracks a step until the bound holds and the surrogate objective
+improved. Here the KL is measured, not predicted: after each optimizer step the minibatch's distinct inputs are
+scored again (no gradient; in scoring mode the KL over the candidates is exact, in generate mode it is the k3
+estimate on the sampled reply tokens) and the adapter is moved back along the step until it fits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+def categorical_kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) over the last dim of log-probabilities; entries where p is 0 (-inf, padding) contribute 0.
+
+    Args:
+        logp, logq: (..., C) log-probabilities (each row's finite entries sum to 1 in probability).
+    Returns:
+        (...) the KL of each row, >= 0.
+    """
+    p = logp.exp()
+    diff = torch.where(p > 0, logp - logq, torch.zeros_like(logp))
+    return (p * diff).sum(-1).clamp_min(0.0)
+
+
+def step_scale(scale: float, kl: float, max_kl: float, gained: bool) -> float:
+    """The next scale of a rejected step, given the KL it reached at `scale`.
+
+    KL grows about quadratically with a small step, so the scale that reaches 0.9 x `max_kl` is
+    scale x sqrt(0.9 x max_kl / kl); it is kept within [0.1, 0.5] x scale so that a poor quadratic fit still makes
+    progress and never overshoots. A step inside the bound whose surrogate did not improve is halved.
+
+    Examples: (1.0, kl=4 max_kl, ...) -> 0.474; (1.0, kl=1.5 max_kl, ...) -> 0.5; (1.0, 100 max_kl) -> 0.1.
+    """
+    if kl <= max_kl and not gained:
+        return 0.5 * scale
+    return scale * min(0.5, max(0.1, math.sqrt(0.9 * max_kl / kl)))
+
+
+class TrustRegion:
+    """Backtracks the last optimizer step of `params` until `measure()` says it is inside the bound.
+
+    Args:
+        params: the parameters the policy step moves (the adapter; the value head is not the policy's).
+        max_kl: bound on the mean, over the minibatch's turns, of KL(old policy || new policy) per turn, where the
+            old policy is the one that collected the batch (so the bound holds across epochs too).
+        max_tries: steps measured before giving up; the step is then undone. (The KL along a step is not always
+            quadratic: a LoRA update is bilinear in its two matrices, so far from the start the second-order term
+            can cancel the first, and a few more tries than the quadratic model needs are allowed.)
+    """
+
+    def __init__(self, params: list[nn.Parameter], max_kl: float, max_tries: int = 6):
+        self.params, self.max_kl, self.max_tries = params, max_kl, max_tries
+        self._before: list[torch.Tensor] | None = None
+
+    def remember(self) -> None:
+        """Call before the optimizer step: the point to backtrack toward."""
+        self._before = [p.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def enforce(self, measure: Callable[[], tuple[float, float, bool]], moved: Callable[[], None]) -> dict[str, float]:
+        """Shrink the step just taken until it fits; returns its `scale`, `kl`, `kl_max` and `tries` (measures made),
+        or `scale` 0 and `tries` when no scale fitted within `max_tries` and the step was undone.
+
+        Args:
+            measure: scores the policy as it is now: (mean KL per turn, the largest KL of one input, whether the
+                surrogate improved on the step's start).
+            moved: called whenever the parameters are changed here (to invalidate cached outputs).
+        """
+        if self._before is None:
+            raise RuntimeError("TrustRegion.remember() must be called before the step.")
+        before, self._before = self._before, None
+        deltas = [p.detach() - b for p, b in zip(self.params, before, strict=True)]
+        scale = 1.0
+        for tries in range(1, self.max_tries + 1):
+            kl, kl_max, gained = measure()
+            if kl <= self.max_kl and gained:
+                return {"scale": scale, "kl": kl, "kl_max": kl_max, "tries": float(tries)}
+            scale = step_scale(scale, kl, self.max_kl, gained)
+            for p, b, d in zip(self.params, before, deltas, strict=True):
+                p.copy_(b + scale * d)
+            moved()
+        for p, b in zip(self.params, before, strict=True):
+            p.copy_(b)
+        moved()
+        return {"scale": 0.0, "tries": float(self.max_tries)}  # undone: back where the step started

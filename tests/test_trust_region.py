@@ -1,0 +1,142 @@
+"""The trust region (each step's KL to the batch's old policy stays under max_kl) and advantage scales that leave a
+batch of equal returns near zero, so a solved policy is not moved by value-head noise."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from llamagym import ppo
+from llamagym.config import PPOConfig
+from llamagym.policy import Policy
+from llamagym.rollout import Episode, Turn, collate_scored
+from llamagym.trainer import PPOTrainer
+from llamagym.trust_region import TrustRegion, categorical_kl, step_scale
+
+PROMPTS = [[257, 50, 51, 256, 259], [257, 52, 256, 258, 53, 256, 259], [257, 54, 256, 259]]
+CANDIDATES = [[[60, 61, 256], [70, 256]], [[80, 256], [81, 82, 83, 256], [84, 256]], [[60, 256], [61, 256]]]
+
+
+def test_categorical_kl_golden_value_and_padding():
+    p = torch.tensor([0.5, 0.5, 0.0]).log()  # the third entry is padding (-inf), as candidates are padded
+    q = torch.tensor([0.9, 0.1, 0.0]).log()
+    # 0.5 ln(0.5/0.9) + 0.5 ln(0.5/0.1) = 0.5 * (-0.587787 + 1.609438) = 0.510826
+    assert float(categorical_kl(p, q)) == pytest.approx(0.510826, abs=1e-6)
+    assert float(categorical_kl(p, p)) == 0.0
+
+
+@pytest.mark.parametrize(
+    "scale, kl, gained, expected",
+    [
+        (1.0, 0.08, True, math.sqrt(0.9 * 0.02 / 0.08)),  # 4x the bound: the quadratic model's 0.474
+        (1.0, 0.03, True, 0.5),  # 1.5x the bound: at most half, so the next try is inside
+        (0.5, 2.0, True, 0.05),  # 100x the bound: at least a tenth, so a poor fit still gets there
+        (1.0, 0.01, False, 0.5),  # inside the bound, but the surrogate got worse: halve
+    ],
+)
+def test_step_scale_golden_values(scale, kl, gained, expected):
+    assert step_scale(scale, kl, max_kl=0.02, gained=gained) == pytest.approx(expected)
+
+
+def test_trust_region_backtracks_a_step_until_it_fits_and_undoes_one_that_never_does():
+    w = torch.nn.Parameter(torch.zeros(2))
+    region = TrustRegion([w], max_kl=0.02)
+    region.remember()
+    with torch.no_grad():
+        w += torch.tensor([1.0, 0.0])  # the step: a KL of |w|^2 / 2 = 0.5, 25x the bound
+    moved = []
+    result = region.enforce(
+        lambda: (float(w.pow(2).sum() / 2), float(w.pow(2).sum() / 2), True), lambda: moved.append(1)
+    )
+    assert result["kl"] <= 0.02 and 0 < result["scale"] < 1 and moved
+    torch.testing.assert_close(w.detach(), torch.tensor([result["scale"], 0.0]))  # back along the step
+
+    start = w.detach().clone()
+    region.remember()
+    with torch.no_grad():
+        w += 1.0
+    result = region.enforce(lambda: (1.0, 1.0, False), lambda: None)  # never fits
+    assert result == {"scale": 0.0, "tries": 6.0}
+    torch.testing.assert_close(w.detach(), start)  # undone
+
+
+def test_running_moments_match_numpy_over_chunks():
+    values = np.random.default_rng(0).normal(3.0, 2.0, size=100)
+    moments = ppo.RunningMoments()
+    for chunk in np.array_split(values, 7):
+        moments.update(torch.tensor(chunk))
+    assert moments.count == 100 and moments.mean == pytest.approx(values.mean())
+    assert moments.std == pytest.approx(values.std())
+    again = ppo.RunningMoments()
+    again.load_state_dict(moments.state_dict())
+    assert again.std == moments.std
+
+
+def test_scale_advantages_golden_values():
+    advantages = torch.tensor([1.0, 2.0, 3.0, 6.0])  # mean 3
+    torch.testing.assert_close(ppo.scale_advantages(advantages, "returns", 2.0), torch.tensor([-1.0, -0.5, 0.0, 1.5]))
+    torch.testing.assert_close(ppo.scale_advantages(advantages, "none", 2.0), torch.tensor([-2.0, -1.0, 0.0, 3.0]))
+    torch.testing.assert_close(ppo.scale_advantages(advantages, "returns", 0.0), torch.tensor([-2.0, -1.0, 0.0, 3.0]))
+    whitened = ppo.scale_advantages(advantages, "batch", 2.0)
+    assert float(whitened.mean()) == pytest.approx(0.0, abs=1e-6)
+    assert float(whitened.std()) == pytest.approx(1.0, abs=1e-4)
+    with pytest.raises(ValueError, match="one of batch, returns, none"):
+        ppo.scale_advantages(advantages, "rank", 1.0)
+
+
+def scored_episodes(rewards, choices):
+    return [
+        Episode([Turn(p, c[k], r, candidates=c, choice=k)])
+        for p, c, r, k in zip(PROMPTS * 4, CANDIDATES * 4, rewards, choices, strict=False)
+    ]
+
+
+def distributions(policy):
+    with torch.no_grad():
+        return policy.score(collate_scored(PROMPTS, CANDIDATES, pad_token_id=256)).logprobs
+
+
+def update_kl(model, lora_config, tokenizer, rewards, history=(), **overrides):
+    """The mean KL(before || after) over the three inputs of one whole-batch natural-gradient update on `rewards`,
+    after updates on each batch of rewards in `history`."""
+    config = PPOConfig(
+        **{
+            "natural_gradient": True,
+            "natural_step": 2.0,
+            "mini_batch_size": 64,
+            "ppo_epochs": 2,
+            "kl_coef": 0.0,
+            "adaptive_kl": False,
+            **overrides,
+        }
+    )
+    trainer = PPOTrainer(Policy(model, lora_config, precision="fp32"), config, tokenizer.pad_token_id)
+    weight = trainer.policy.value_head.linear.weight
+    with torch.no_grad():  # a value head that is a little off everywhere, as after any training
+        weight.copy_(0.05 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)))
+    for earlier in history:
+        trainer.step(scored_episodes(earlier, [0, 1, 0, 1, 0, 1]))
+    before = distributions(trainer.policy)
+    stats = trainer.step(scored_episodes(rewards, [0, 1, 0, 1, 0, 1]))
+    return float(categorical_kl(before, distributions(trainer.policy)).mean()), stats
+
+
+@pytest.mark.parametrize("scale", ["batch", "returns"])
+def test_a_batch_of_equal_returns_does_not_move_the_policy(model, lora_config, tokenizer, scale):
+    learning = [[1.0, 0.0, 1.0, 0.0, 0.0, 1.0]]  # returns varied while the game was being learned
+    solved = [1.0] * 6  # now every episode earns the same: A = R - V holds only the value head's error
+    moved, stats = update_kl(model, lora_config, tokenizer, solved, learning, advantage_scale=scale)
+    assert stats["adv/equal_returns"] == 1.0 and stats["ppo/value_loss"] > 0
+    assert moved < 1e-9
+
+
+@pytest.mark.parametrize("micro", [None, 1])  # micro-batches of one input: their candidate counts differ
+def test_trust_region_keeps_each_update_within_max_kl_of_the_old_policy(model, lora_config, tokenizer, micro):
+    rewards = [1.0, -1.0, 0.5, -0.5, 1.0, -1.0]
+    settings = {"natural_step": 4.0, "max_grad_norm": 100.0, "micro_batch_size": micro}
+    free, _ = update_kl(model, lora_config, tokenizer, rewards, **settings)
+    bounded, stats = update_kl(model, lora_config, tokenizer, rewards, max_kl=0.01, **settings)
+    assert free > 0.02  # without a bound the step goes past it
+    assert bounded <= 0.01 + 1e-6 and stats["trust/kl"] <= 0.01 and stats["trust/scale"] < 1
+    assert stats["trust/kl_max"] >= stats["trust/kl"]
