@@ -10,8 +10,9 @@ The benchmark (hours at the default budget):       python benchmarks/learning_su
 An experiment (overrides are printed and saved):   python benchmarks/learning_suite.py --games rooms \
                                                        --modes score --ppo mini_batch_size=4096 --agent lora_layers=8
 
-Writes `--output`/results.json (after every run), results.md (the table) and <game>.png (normalised score against
-training time, one line per mode and seed).
+Writes `--output`/results.json (after every run, with each update's statistics), results.md (the table),
+<game>.png (normalised score against training time, one line per mode and seed) and
+<game>-<mode>-seed<seed>-updates.png (what each update did: returns and their spread, entropy, KL moved).
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ import llamagym.envs as suite
 from llamagym.evaluation import save_json
 
 THRESHOLDS = (0.5, 0.8)
+# per-update statistics kept in results.json, to see what an update did when a curve breaks
+LOGGED = (
+    "env/batch_return", "adv/return_std", "adv/raw_std", "adv/returns_running_std", "adv/equal_returns",
+    "ppo/entropy", "ppo/approx_kl", "ppo/clipfrac", "ppo/value_loss", "ppo/explained_variance", "ppo/grad_norm",
+    "ppo/distinct_turns", "ppo/num_turns", "trust/kl", "trust/kl_max", "trust/scale", "trust/undone", "kl/ref",
+    "time/update_s", "agent/batch_invalid_action_rate",
+)  # fmt: skip
 
 
 def parse_args(argv=None):
@@ -143,7 +151,7 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
     for env in envs:
         observations.append(env.reset(seed=next_seed)[0])
         next_seed += 1
-    update_s, invalid_train, last_eval = [], [], 0.0
+    update_s, invalid_train, log, last_eval = [], [], [], 0.0
     progress = tqdm(
         total=round(args.budget), desc=f"{game_name}/{mode}/seed {seed}", unit="s", leave=False, mininterval=5
     )
@@ -167,6 +175,7 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
             clock["updates"] += 1
             update_s.append(stats["time/update_s"])
             invalid_train.append(stats["agent/batch_invalid_action_rate"])
+            log.append({"train": clock["train"], **{key: stats[key] for key in LOGGED if key in stats}})
         progress.n = min(round(clock["train"]), progress.total)
         progress.set_postfix(updates=clock["updates"], score=f"{curve[-1]['normalised']:.2f}", refresh=False)
         if clock["train"] - last_eval >= args.eval_every and clock["train"] < args.budget:
@@ -194,6 +203,7 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
         "peak_rss_gib": peak_rss_gib(),
         "final_figures": final,
         "curve": curve,
+        "updates_log": log,
     }
 
 
@@ -278,6 +288,35 @@ def plot(runs: list[dict], game_name: str, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def plot_updates(run: dict, path: Path) -> None:
+    """What each update did, against training time: the batch's return and its spread, the entropy, the KL the
+    update moved the policy by (trust region), and the greedy policy's normalised score at each evaluation."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 7), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(4, 1, sharex=True)
+    log = run["updates_log"]
+    panels = [
+        (("normalised",), run["curve"], "greedy score (0 random, 1 optimal)"),
+        (("env/batch_return", "adv/return_std", "adv/raw_std"), log, "batch return, spreads"),
+        (("ppo/entropy",), log, "entropy"),
+        (("trust/kl", "trust/kl_max", "ppo/approx_kl"), log, "KL(old || new)"),
+    ]
+    for ax, (keys, rows, label) in zip(axes, panels, strict=True):
+        for key in keys:
+            points = [(r["train"] / 60, r[key]) for r in rows if key in r]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker=".", ms=3, label=key)
+        ax.set_ylabel(label, fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    axes[-1].set_xlabel("training time (min)")
+    fig.suptitle(f"{run['game']}, {run['mode']}, seed {run['seed']}")
+    fig.savefig(path, dpi=100)
+
+
 def main(argv=None):
     args = parse_args(argv)
     output = Path(args.output)
@@ -308,6 +347,8 @@ def main(argv=None):
                         flush=True,
                     )
                 save_json(output / "results.json", {"header": header, "runs": runs})
+                if "error" not in result and result["updates_log"]:
+                    plot_updates(result, output / f"{game_name}-{mode}-seed{seed}-updates.png")
         plot(runs, game_name, output / f"{game_name}.png")
     table = markdown(runs, header)
     (output / "results.md").write_text(table)
