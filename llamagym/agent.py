@@ -46,7 +46,8 @@ class Agent(ABC):
         generation_config: overrides of the sampling settings, e.g. `{"max_new_tokens": 16}`.
         lora_config: a `peft.LoraConfig`; None uses the registry defaults for this model.
         lora_layers: adapt only the top N transformer layers (training's backward pass stops there; about 2x
-            faster on a CPU). None adapts every layer.
+            faster on a CPU). None adapts every layer; "auto" takes the registry's default for this model (the
+            embedded SmolLM2-135M: the top 8 of 30), else every layer.
         frozen_cache_mb: with `lora_layers`, memory for the hidden states leaving the frozen layers, kept per
             distinct prompt so repeated ones run the adapted layers only (exact); 0 turns it off.
         full_finetune: train every weight instead of a LoRA adapter (keeps a frozen reference copy).
@@ -86,7 +87,7 @@ class Agent(ABC):
         action_space=None,
         action_mode: str = "auto",
         precision: str = "auto",
-        lora_layers: int | None = None,
+        lora_layers: int | None | str = "auto",
         frozen_cache_mb: float = 512,
     ):
         if action_mode not in ACTION_MODES:
@@ -116,6 +117,8 @@ class Agent(ABC):
             )
         if not isinstance(frozen_cache_mb, (int, float)) or isinstance(frozen_cache_mb, bool) or frozen_cache_mb < 0:
             raise ValueError(f"`frozen_cache_mb` should be a number >= 0. Received {frozen_cache_mb!r}.")
+        if lora_layers == "auto":
+            lora_layers = self.spec.lora_layers if self.spec is not None and lora_config is None else None
         self.policy = Policy(model, lora_config, full_finetune, precision, lora_layers, frozen_cache_mb)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = eos_ids(tokenizer, model)

