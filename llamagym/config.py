@@ -66,7 +66,8 @@ class PPOConfig:
     use_target_kl: bool = False  # stop an update early when approx_kl exceeds 1.5 x target_kl
     target_kl: float = 0.05  # approx_kl (new vs old policy) limit for early stopping
     weight_decay: float = 0.0  # AdamW weight decay
-    natural_gradient: bool = False  # PPO steps in function space over the minibatch's inputs (see llamagym.natural)
+    natural_gradient: bool | None = False  # PPO steps in function space over the minibatch's distinct inputs (see
+    # llamagym.natural); None = on when every trained weight is in a Linear layer (LoRA), off for full fine-tuning
     natural_step: float = 0.5  # natural_gradient: output move per unit of an input's per-turn output gradient
     natural_damping: float = 0.1  # natural_gradient: relative damping (larger is closer to a plain gradient step)
     anneal_updates: int = 0  # adapter step (learning_rate, natural_step) falls linearly to 0 over N updates; 0 = off
@@ -105,7 +106,7 @@ class PPOConfig:
                 "use_target_kl": (lambda v: isinstance(v, bool), "True or False"),
                 "target_kl": non_negative,
                 "weight_decay": non_negative,
-                "natural_gradient": (lambda v: isinstance(v, bool), "True or False"),
+                "natural_gradient": (lambda v: v is None or isinstance(v, bool), "True, False or None (automatic)"),
                 "natural_step": positive,
                 "natural_damping": positive,
                 "anneal_updates": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0 = no annealing)"),

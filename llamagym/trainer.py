@@ -75,8 +75,8 @@ class PPOTrainer:
         # natural-gradient steps (see `natural`): per-input gradients of the policy loss, solved for jointly, move
         # the adapter; the value head keeps its AdamW step on the value loss, which no longer reaches the adapter
         self.lm_params = lm_params
-        self.row_gradients = RowGradients(policy, lm_params) if config.natural_gradient else None
-        policy.value_head.detach_input = config.natural_gradient
+        self.row_gradients = _row_gradients(policy, lm_params, config.natural_gradient)
+        policy.value_head.detach_input = self.row_gradients is not None
         self._row_grads: torch.Tensor | None = None  # the minibatch's per-input gradients G (natural_gradient)
         self._row_targets: list[torch.Tensor] = []  # and their output-gradient targets t, per micro-batch
         self.trust_region = TrustRegion(lm_params, config.max_kl) if config.max_kl is not None else None
@@ -498,6 +498,20 @@ def distinct_inputs(turns: list[Turn]) -> torch.Tensor:
         reply = tuple(map(tuple, turn.candidates)) if turn.candidates is not None else tuple(turn.response_ids)
         numbered.append(ids.setdefault((tuple(turn.prompt_ids), reply), len(ids)))
     return torch.tensor(numbered, dtype=torch.long)
+
+
+def _row_gradients(policy: Policy, lm_params: list, natural_gradient: bool | None) -> RowGradients | None:
+    """The per-input gradient collector of natural-gradient steps, or None for plain steps. With None (automatic)
+    it is used when it can be: every trained weight in a Linear layer (LoRA), not full fine-tuning."""
+    if natural_gradient is False:
+        return None
+    try:
+        return RowGradients(policy, lm_params)
+    except ValueError:
+        if natural_gradient:
+            raise
+        logger.info("natural_gradient=None: plain gradient steps, since some trained weights are not in Linear layers")
+        return None
 
 
 def _surrogate(logprobs, old_logprobs, advantages, mask) -> torch.Tensor:

@@ -7,6 +7,7 @@ from llamagym.config import PPOConfig
 from llamagym.natural import RowGradients, natural_coefficients, natural_direction, subtract_flat
 from llamagym.policy import Policy
 from llamagym.rollout import Episode, Turn, collate, collate_scored
+from llamagym.tiny import build_tiny_model
 from llamagym.trainer import PPOTrainer
 
 PROMPTS = [[257, 50, 51, 256, 259], [257, 52, 256, 258, 53, 256, 259], [257, 54, 256, 259]]
@@ -93,7 +94,7 @@ def test_trainer_natural_step_moves_lora_and_value_head_only_and_decreases_the_l
     config = PPOConfig(
         natural_gradient=True, mini_batch_size=64, micro_batch_size=2, ppo_epochs=1, kl_coef=0.0, adaptive_kl=False
     )
-    policy = Policy(model, lora_config)
+    policy = Policy(model, lora_config, precision="fp32")  # bf16 rounding can flip a tiny move
     trainer = PPOTrainer(policy, config, tokenizer.pad_token_id)
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     batch = collate_scored(PROMPTS, CANDIDATES, pad_token_id=256)
@@ -156,3 +157,11 @@ def test_natural_direction_is_capped_and_subtract_flat_lays_out_params_in_order(
     params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1, 1))]
     subtract_flat(params, torch.tensor([1.0, 2.0, 3.0]))
     assert params[0].tolist() == [-1.0, -2.0] and params[1].tolist() == [[-3.0]]
+
+
+def test_automatic_natural_gradient_is_on_for_lora_and_off_for_full_fine_tuning(model, lora_config, tokenizer):
+    lora = PPOTrainer(Policy(model, lora_config), PPOConfig(natural_gradient=None), tokenizer.pad_token_id)
+    fresh = build_tiny_model(tokenizer, seed=0)  # get_peft_model wrapped the first one in place
+    full = PPOTrainer(Policy(fresh, full_finetune=True), PPOConfig(natural_gradient=None), tokenizer.pad_token_id)
+    assert lora.row_gradients is not None and full.row_gradients is None
+    assert lora.policy.value_head.detach_input and not full.policy.value_head.detach_input
