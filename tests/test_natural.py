@@ -106,7 +106,9 @@ def test_trainer_natural_step_moves_lora_and_value_head_only_and_decreases_the_l
         assert changed == ("lora_" in name or name.startswith("value_head.")), name
     new = policy.score(batch).logprobs[:, 0].detach()
     advantages = torch.tensor(rewards)
-    assert ((new - old) * advantages > 0).all()  # each input's chosen action moved the way its advantage says
+    # the policy loss fell: the chosen actions moved the way their advantages say, on the whole (how each input
+    # moves depends on the random LoRA init, which peft draws in an order that varies with Python's hash seed)
+    assert float(((new - old) * advantages).sum()) > 0
 
 
 def test_annealed_natural_step_leaves_the_adapter_once_the_schedule_ends(model, lora_config, tokenizer):
