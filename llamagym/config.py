@@ -43,8 +43,8 @@ class PPOConfig:
 
     learning_rate: float = 2e-4  # AdamW step size for the LoRA adapter (and the value head, unless set below)
     value_learning_rate: float | None = None  # AdamW step size for the value head; None = learning_rate
-    batch_size: int = 8  # episodes collected before each PPO update
-    mini_batch_size: int | None = 8  # turns per optimizer step; None (or more than a batch holds) = the whole batch
+    batch_size: int = 32  # episodes collected before each PPO update
+    mini_batch_size: int | None = None  # turns per optimizer step; None (or more than a batch holds) = the whole batch
     micro_batch_size: int | None = 8  # distinct inputs per forward/backward within a step (bounds memory); None = all
     ppo_epochs: int = 2  # passes over the batch per update
     gamma: float = 1.0  # discount across the turns of an episode
@@ -55,20 +55,22 @@ class PPOConfig:
     ent_coef: float = 0.0  # weight of the entropy bonus on response tokens
     max_grad_norm: float = 1.0  # global gradient-norm clip (with natural_gradient: of the adapter step itself)
     whiten_advantages: bool = True  # center advantages on the batch's mean and divide them by `advantage_scale`
-    advantage_scale: str = "batch"  # whitening divides by: "batch" (this batch's advantage std), "returns" (the std of
+    advantage_scale: str = (
+        "returns"  # whitening divides by: "batch" (this batch's advantage std), "returns" (the std of
+    )
     # every return seen so far: a batch of equal returns stays near 0 instead of becoming unit noise), or "none"
-    max_kl: float | None = None  # trust region: backtrack each step until the mean KL(old || new) per turn <= this
-    kl_coef: float = 0.05  # initial weight of the per-turn KL to the reference policy in the reward
+    max_kl: float | None = 0.02  # trust region: backtrack each step until the mean KL(old || new) per turn <= this
+    kl_coef: float = 0.0  # (initial) weight of the per-turn KL to the reference policy in the reward; 0 = none
     kl_estimator: str = "k1"  # per-token estimator of kl_ref: k1, k2 or k3
-    adaptive_kl: bool = True  # adapt kl_coef toward kl_target (Ziegler et al. 2019)
+    adaptive_kl: bool = False  # adapt kl_coef toward kl_target (Ziegler et al. 2019)
     kl_target: float = 1.0  # target per-turn kl_ref for the adaptive controller (nats summed over a reply)
     kl_horizon: int = 10_000  # controller horizon in turns: how fast kl_coef moves
     use_target_kl: bool = False  # stop an update early when approx_kl exceeds 1.5 x target_kl
     target_kl: float = 0.05  # approx_kl (new vs old policy) limit for early stopping
     weight_decay: float = 0.0  # AdamW weight decay
-    natural_gradient: bool | None = False  # PPO steps in function space over the minibatch's distinct inputs (see
+    natural_gradient: bool | None = None  # PPO steps in function space over the minibatch's distinct inputs (see
     # llamagym.natural); None = on when every trained weight is in a Linear layer (LoRA), off for full fine-tuning
-    natural_step: float = 0.5  # natural_gradient: output move per unit of an input's per-turn output gradient
+    natural_step: float = 1.0  # natural_gradient: output move per unit of an input's per-turn output gradient
     natural_damping: float = 0.1  # natural_gradient: relative damping (larger is closer to a plain gradient step)
     anneal_updates: int = 0  # adapter step (learning_rate, natural_step) falls linearly to 0 over N updates; 0 = off
     seed: int = 0  # seed of the minibatch shuffles and replay sampling

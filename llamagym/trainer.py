@@ -379,9 +379,13 @@ class PPOTrainer:
         loss.backward()
         return True
 
-    def _step(self, stats: dict[str, list[float]]) -> bool:
-        """Clip and apply the accumulated gradient; a non-finite gradient skips the step, weights unchanged."""
-        if self.row_gradients is not None:
+    def _step(self, stats: dict[str, list[float]], plain: bool = False) -> bool:
+        """Clip and apply the accumulated gradient; a non-finite gradient skips the step, weights unchanged.
+
+        `plain` takes an AdamW step even under natural_gradient: the supervised replay steps record no per-input
+        gradients to solve with.
+        """
+        if self.row_gradients is not None and not plain:
             return self._natural_step(stats)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), self.config.max_grad_norm)
         if not torch.isfinite(grad_norm):
@@ -453,7 +457,7 @@ class PPOTrainer:
             batch = collate(turns, self.pad_token_id, self.policy.device)
             out = self.policy(batch.input_ids, batch.attention_mask, batch.response_mask)
             loss = sft_loss(out.logprobs, batch.response_mask)
-            if self._backward(cfg.sft_coef * loss) and self._step(sft_stats):
+            if self._backward(cfg.sft_coef * loss) and self._step(sft_stats, plain=True):
                 losses.append(float(loss))
         stats = {"sft/buffer_size": float(len(self.replay)), "sft/added": float(added)}
         if losses:

@@ -167,3 +167,16 @@ def test_automatic_natural_gradient_is_on_for_lora_and_off_for_full_fine_tuning(
     full = PPOTrainer(Policy(fresh, full_finetune=True), PPOConfig(natural_gradient=None), tokenizer.pad_token_id)
     assert lora.row_gradients is not None and full.row_gradients is None
     assert lora.policy.value_head.detach_input and not full.policy.value_head.detach_input
+
+
+def test_sft_replay_steps_work_beside_natural_gradient_steps(model, lora_config, tokenizer):
+    from llamagym.config import ReplayConfig
+
+    config = PPOConfig(natural_gradient=True, mini_batch_size=None, ppo_epochs=1)
+    trainer = PPOTrainer(Policy(model, lora_config), config, tokenizer.pad_token_id, ReplayConfig(sft_steps=1))
+    episodes = [
+        Episode([Turn(p, c[0], float(i == 0), candidates=c, choice=0)])
+        for i, (p, c) in enumerate(zip(PROMPTS, CANDIDATES, strict=True))
+    ]
+    stats = trainer.step(episodes)
+    assert stats["sft/loss"] > 0 and stats["ppo/minibatches"] == 1

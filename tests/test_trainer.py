@@ -25,8 +25,13 @@ def make_episodes(n=4, seed=0):
     return episodes
 
 
+# plain clipped PPO with AdamW and an adaptive KL penalty: the machinery these tests pin (the defaults add natural
+# steps and a trust region, tested in test_natural.py and test_trust_region.py)
+PLAIN = {"natural_gradient": False, "max_kl": None, "kl_coef": 0.05, "adaptive_kl": True, "advantage_scale": "batch"}
+
+
 def make_trainer(model, lora_config, tokenizer, precision="fp32", **overrides):
-    config = PPOConfig(**{"mini_batch_size": 2, "ppo_epochs": 2, "learning_rate": 1e-3, **overrides})
+    config = PPOConfig(**{**PLAIN, "mini_batch_size": 2, "ppo_epochs": 2, "learning_rate": 1e-3, **overrides})
     return PPOTrainer(Policy(model, lora_config, precision=precision), config, tokenizer.pad_token_id)
 
 
