@@ -209,6 +209,11 @@ def main():
             adaptive_kl=args.kl_coef > 0,
             ent_coef=args.ent_coef,
             seed=args.seed,
+            # the settings of the README's measured run: plain PPO steps, batch whitening, no trust region (the
+            # library's defaults now add natural steps and a trust region; this example is not re-measured yet)
+            natural_gradient=False,
+            max_kl=None,
+            advantage_scale="batch",
         ),
         action_mode="score",
         precision=args.precision,

@@ -60,6 +60,7 @@ class PPOConfig:
     )
     # every return seen so far: a batch of equal returns stays near 0 instead of becoming unit noise), or "none"
     max_kl: float | None = 0.02  # trust region: backtrack each step until the mean KL(old || new) per turn <= this
+    max_kl_generate: bool = False  # also bound generated replies (a noisy k3 estimate; scoring mode is always bound)
     kl_coef: float = 0.0  # (initial) weight of the per-turn KL to the reference policy in the reward; 0 = none
     kl_estimator: str = "k1"  # per-token estimator of kl_ref: k1, k2 or k3
     adaptive_kl: bool = False  # adapt kl_coef toward kl_target (Ziegler et al. 2019)
@@ -69,7 +70,7 @@ class PPOConfig:
     target_kl: float = 0.05  # approx_kl (new vs old policy) limit for early stopping
     weight_decay: float = 0.0  # AdamW weight decay
     natural_gradient: bool | None = None  # PPO steps in function space over the minibatch's distinct inputs (see
-    # llamagym.natural); None = on when every trained weight is in a Linear layer (LoRA), off for full fine-tuning
+    # llamagym.natural); None = in scoring mode when every trained weight is in a Linear layer (LoRA)
     natural_step: float = 1.0  # natural_gradient: output move per unit of an input's per-turn output gradient
     natural_damping: float = 0.1  # natural_gradient: relative damping (larger is closer to a plain gradient step)
     anneal_updates: int = 0  # adapter step (learning_rate, natural_step) falls linearly to 0 over N updates; 0 = off
@@ -100,6 +101,7 @@ class PPOConfig:
                 "whiten_advantages": (lambda v: isinstance(v, bool), "True or False"),
                 "advantage_scale": (lambda v: v in ADVANTAGE_SCALES, f"one of {', '.join(ADVANTAGE_SCALES)}"),
                 "max_kl": (lambda v: v is None or (_num(v) and v > 0), "None (no trust region) or a number > 0"),
+                "max_kl_generate": (lambda v: isinstance(v, bool), "True or False"),
                 "kl_coef": non_negative,
                 "kl_estimator": (lambda v: v in KL_ESTIMATORS, f"one of {', '.join(KL_ESTIMATORS)}"),
                 "adaptive_kl": (lambda v: isinstance(v, bool), "True or False"),

@@ -80,6 +80,7 @@ class PPOTrainer:
         self._row_grads: torch.Tensor | None = None  # the minibatch's per-input gradients G (natural_gradient)
         self._row_targets: list[torch.Tensor] = []  # and their output-gradient targets t, per micro-batch
         self.trust_region = TrustRegion(lm_params, config.max_kl) if config.max_kl is not None else None
+        self._natural = self.row_gradients is not None  # this update's steps are natural ones (see `step`)
         self.return_moments = ppo.RunningMoments()  # every return so far: the scale of advantage_scale="returns"
         self.generator = torch.Generator().manual_seed(config.seed)
         self.num_updates = 0
@@ -98,6 +99,12 @@ class PPOTrainer:
         self._anneal()
         turns = [turn for episode in episodes for turn in episode.turns]
         batch = collate_turns(turns, self.pad_token_id, self.policy.device)
+        # Natural steps and the trust region are automatic in scoring mode, where the KL over the candidates is exact.
+        # In generate mode the bound is a k3 estimate summed over sampled reply tokens, whose noise exceeded 0.02 in
+        # every step measured (docs/learning-that-holds.md): there they run only when asked for explicitly.
+        scoring = isinstance(batch, ScoreBatch)
+        self._natural = self.row_gradients is not None and (scoring or cfg.natural_gradient is True)
+        region = self.trust_region if scoring or cfg.max_kl_generate else None
         groups = distinct_inputs(turns)
         mask = _action_mask(batch)
         # Shuffles for every epoch are drawn up front: the old log-probs are computed on epoch 0's minibatches,
@@ -149,13 +156,13 @@ class PPOTrainer:
                     self.optimizer.zero_grad(set_to_none=True)
                     early_stopped = True
                     break
-                if self.trust_region is not None:
-                    self.trust_region.remember()
-                if self._step(stats) and self.trust_region is not None:
+                if region is not None:
+                    region.remember()
+                if self._step(stats) and region is not None:
                     measure = functools.partial(
                         self._measure, batch, groups, index, old_logprobs, old_dists, advantages, mb["ppo/surrogate"]
                     )
-                    for key, value in self.trust_region.enforce(measure, self._moved).items():
+                    for key, value in region.enforce(measure, self._moved).items():
                         stats[f"trust/{key}"].append(value)
                 done += 1
                 for key, value in mb.items():
@@ -277,7 +284,8 @@ class PPOTrainer:
         cfg, mask = self.config, _action_mask(batch)
         total_tokens, total_rows = mask[index].sum(), len(index)
         sums: dict[str, float] = defaultdict(float)
-        rows, self._row_targets, self._rows_turns = self.row_gradients, [], len(index)
+        rows = self.row_gradients if self._natural else None
+        self._row_targets, self._rows_turns = [], len(index)
         if rows is not None:  # one (distinct inputs, P) buffer, filled by each micro-batch's per-input gradients
             rows.clear()
             self._row_grads, filled = torch.empty(len(torch.unique(groups[index])), rows.width, device=mask.device), 0
@@ -385,7 +393,7 @@ class PPOTrainer:
         `plain` takes an AdamW step even under natural_gradient: the supervised replay steps record no per-input
         gradients to solve with.
         """
-        if self.row_gradients is not None and not plain:
+        if self._natural and not plain:
             return self._natural_step(stats)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), self.config.max_grad_norm)
         if not torch.isfinite(grad_norm):

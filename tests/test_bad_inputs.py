@@ -229,6 +229,8 @@ CASES = [
         ValueError, "`advantage_scale` should be one of batch, returns, none. Received 'rank'."),
     row("config-max-kl-zero", lambda c: PPOConfig(max_kl=0),
         ValueError, "`max_kl` should be None (no trust region) or a number > 0. Received 0."),
+    row("config-max-kl-generate-not-bool", lambda c: PPOConfig(max_kl_generate=1),
+        ValueError, "`max_kl_generate` should be True or False. Received 1."),
     row("config-flag-not-bool", lambda c: PPOConfig(whiten_advantages="yes"),
         ValueError, "`whiten_advantages` should be True or False. Received 'yes'."),
     row("config-natural-damping-zero", lambda c: PPOConfig(natural_damping=0),

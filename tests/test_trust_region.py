@@ -11,6 +11,7 @@ from llamagym import ppo
 from llamagym.config import PPOConfig
 from llamagym.policy import Policy
 from llamagym.rollout import Episode, Turn, collate_scored
+from llamagym.tiny import build_tiny_model
 from llamagym.trainer import PPOTrainer
 from llamagym.trust_region import TrustRegion, categorical_kl, step_scale
 
@@ -140,3 +141,20 @@ def test_trust_region_keeps_each_update_within_max_kl_of_the_old_policy(model, l
     assert free > 0.02  # without a bound the step goes past it
     assert bounded <= 0.01 + 1e-6 and stats["trust/kl"] <= 0.01 and stats["trust/scale"] < 1
     assert stats["trust/kl_max"] >= stats["trust/kl"]
+
+
+def test_generate_mode_takes_plain_steps_without_the_noisy_bound_unless_asked(model, lora_config, tokenizer):
+    episodes = [
+        Episode([Turn(p, c[0], float(i % 2), candidates=None)])
+        for i, (p, c) in enumerate(zip(PROMPTS * 2, CANDIDATES * 2, strict=True))
+    ]
+    trainer = PPOTrainer(Policy(model, lora_config, precision="fp32"), PPOConfig(), tokenizer.pad_token_id)
+    stats = trainer.step(episodes)  # the defaults: natural steps and the trust region are for scoring mode
+    assert not trainer._natural and "trust/kl" not in stats and "trust/scale" not in stats
+    asked = PPOTrainer(
+        Policy(build_tiny_model(tokenizer, seed=0), lora_config, precision="fp32"),
+        PPOConfig(natural_gradient=True, max_kl_generate=True),
+        tokenizer.pad_token_id,
+    )
+    stats = asked.step(episodes)
+    assert asked._natural and "trust/scale" in stats
