@@ -11,24 +11,9 @@ import pytest
 from llamagym import Agent
 from llamagym.envs import AgentPolicy, Game, TextPolicy, evaluate, markov, openai_chat
 from llamagym.envs.suite import Transition, play_out, summary
+from tests.envs import CountingEnv
 
-TURNS = 3
-
-
-class StepsEnv(gym.Env):
-    """Observation = turn number; action 1 earns 1; ends after TURNS turns."""
-
-    observation_space = gym.spaces.Discrete(TURNS + 1)
-    action_space = gym.spaces.Discrete(2)
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.t = 0
-        return self.t, {}
-
-    def step(self, action):
-        self.t += 1
-        return self.t, float(action), self.t >= TURNS, False, {}
+TURNS = 3  # CountingEnv: the observation is the turn number, action 1 earns 1, it ends after TURNS turns
 
 
 def steps_evaluate(decide):
@@ -51,7 +36,7 @@ class StepsAgent(Agent):
         return 1 if "yes" in words else 0 if "no" in words else None
 
 
-gym.register(id="llamagym-test/Steps-v0", entry_point=StepsEnv)
+gym.register(id="llamagym-test/Steps-v0", entry_point=CountingEnv, kwargs={"length": TURNS})
 STEPS = Game("steps", "llamagym-test/Steps-v0", "unused", StepsAgent, steps_evaluate, lambda obs: 1)
 
 
@@ -142,7 +127,7 @@ def test_agent_policy_replays_exactly_what_the_greedy_agent_plays(model, tokeniz
     """The evaluator's paths rebuild the agent's own conversation: its greedy actions equal those of act()."""
     agent = StepsAgent(model, tokenizer, action_mode=mode, generation_config={"max_new_tokens": 3})
     evaluated = steps_evaluate(AgentPolicy(agent))["actions"]
-    env, played = StepsEnv(), []
+    env, played = CountingEnv(length=TURNS), []
     observation, _ = env.reset()
     with agent.evaluating(), agent.policy.float32():
         for _ in range(TURNS):
