@@ -100,8 +100,8 @@ class PPOTrainer:
         turns = [turn for episode in episodes for turn in episode.turns]
         batch = collate_turns(turns, self.pad_token_id, self.policy.device)
         # Natural steps and the trust region are automatic in scoring mode, where the KL over the candidates is exact.
-        # In generate mode the bound is a k3 estimate summed over sampled reply tokens, whose noise exceeded 0.02 in
-        # every step measured (docs/learning-that-holds.md): there they run only when asked for explicitly.
+        # In generate mode the bound is a k3 estimate summed over sampled reply tokens, and in the suite's generate
+        # runs it undid every step (docs/learning-that-holds.md): there they run only when asked for explicitly.
         scoring = isinstance(batch, ScoreBatch)
         self._natural = self.row_gradients is not None and (scoring or cfg.natural_gradient is True)
         region = self.trust_region if scoring or cfg.max_kl_generate else None
