@@ -264,3 +264,11 @@ def test_agent_plays_an_episode(model, tokenizer, mode):
         done = terminated or truncated
     stats = agent.terminate_episode(truncated=truncated, final_observation=observation)
     assert stats["env/length"] >= 1
+
+
+def test_a_policy_that_never_arrives_has_no_mean_hops_and_its_figures_are_strict_json():
+    import json
+
+    figures = evaluate(suite.markov(lambda observation: observation[0]), **GAME.env_kwargs)  # always stays put
+    assert figures["success"] == 0.0 and figures["mean_hops"] is None
+    json.dumps(figures, allow_nan=False)

@@ -18,8 +18,8 @@ TURNS = 3  # CountingEnv: the observation is the turn number, action 1 earns 1, 
 
 def steps_evaluate(decide):
     out = play_out([(1.0, 0, 0)], decide, lambda t, a: [Transition(1.0, t + 1, t + 1, float(a), t + 1 >= TURNS)])
-    figures = summary(out.leaves, random=TURNS / 2, optimal=float(TURNS))
-    return {**figures, "actions": out.leaves[0].actions, "invalid_rate": out.invalid_rate}
+    figures = summary(out, random=TURNS / 2, optimal=float(TURNS))
+    return {**figures, "actions": out.leaves[0].actions}
 
 
 class StepsAgent(Agent):

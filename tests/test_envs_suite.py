@@ -17,10 +17,11 @@ def test_play_out_gives_exact_probabilities_of_a_chance_game():
     always_flip = play_out([(1.0, 1, 1)], markov(lambda obs: 1), coin_step)
     # flip at turn 1: 0.3 win; else turn 2: 0.7 * 0.3 win, 0.7 * 0.7 lose -> expected 0.3 + 0.21 = 0.51
     assert sorted(round(leaf.prob, 10) for leaf in always_flip.leaves) == [0.21, 0.3, 0.49]
-    figures = summary(always_flip.leaves, random=0.0, optimal=1.0)
+    figures = summary(always_flip, random=0.0, optimal=1.0)
     assert figures["expected_return"] == pytest.approx(0.51)
     assert figures["mean_turns"] == pytest.approx(1 * 0.3 + 2 * 0.7)  # 1.7
     assert always_flip.invalid_rate is None  # a plain decider says nothing about validity
+    assert "invalid_rate" not in figures
 
 
 def test_play_out_asks_a_path_dependent_policy_with_the_whole_path():
@@ -42,7 +43,9 @@ def test_play_out_weights_invalid_replies_by_probability():
 
     decide.valid = lambda paths: [len(path) == 1 for path in paths]  # the turn-2 reply is invalid
     # turns: 1 (turn 1) + 0.7 (turn 2); invalid mass 0.7 -> 0.7 / 1.7
-    assert play_out([(1.0, 1, 1)], decide, coin_step).invalid_rate == pytest.approx(0.7 / 1.7)
+    out = play_out([(1.0, 1, 1)], decide, coin_step)
+    assert out.invalid_rate == pytest.approx(0.7 / 1.7)
+    assert summary(out, random=0.0, optimal=1.0)["invalid_rate"] == out.invalid_rate
 
 
 def test_play_out_rejects_a_wrong_number_of_actions_and_endless_games():

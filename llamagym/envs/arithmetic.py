@@ -295,15 +295,13 @@ def evaluate(
     result = play_out([(1 / len(problems), problem, problem[0]) for problem in problems], decide, step)
     correct = {leaf.state[0]: leaf.total for leaf in result.leaves}
     random = 1 / (max_answer + 1)  # uniform play names each problem's answer with probability 1/(max_answer + 1)
-    figures = summary(result.leaves, random, 1.0, score=sum(correct.values()) / len(problems))
+    figures = summary(result, random, 1.0, score=sum(correct.values()) / len(problems))
     counts = collections.Counter(answer for _, answer in problems)
     figures["majority"] = counts.most_common(1)[0][1] / len(problems)
     if difficulty == 2:
         for steps, key in ((1, "accuracy_one_step"), (2, "accuracy_two_step")):
             texts = [text for text, _ in problems if parse_problem(text)[0].steps == steps]
-            figures[key] = sum(correct[text] for text in texts) / len(texts) if texts else float("nan")
-    if result.invalid_rate is not None:
-        figures["invalid_rate"] = result.invalid_rate
+            figures[key] = sum(correct[text] for text in texts) / len(texts) if texts else None
     return figures
 
 

@@ -202,10 +202,8 @@ def evaluate(decide: Decide, n: int = 16, k: int = 5) -> dict[str, Any]:
     check_size(n, k)
     result = play_out(_start(n, k), decide, _stepper(n))
     refs = references(n, k)
-    figures = summary(result.leaves, refs["random"], refs["optimal"])
+    figures = summary(result, refs["random"], refs["optimal"])
     figures["binary_search_turns"] = refs["binary_search_turns"]
-    if result.invalid_rate is not None:
-        figures["invalid_rate"] = result.invalid_rate
     return figures
 
 

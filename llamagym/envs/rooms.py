@@ -206,7 +206,7 @@ def evaluate(decide: suite.Decide, num_rooms: int = 8, layout_seed: int = 0, max
 
     Returns:
         `suite.summary` (score = SPL = expected return) plus `success` (P(reach the target)), `mean_hops` (mean
-        steps of the successful episodes; NaN when none succeeds), `mean_shortest` (mean d(start, target)) and
+        steps of the successful episodes; None when none succeeds), `mean_shortest` (mean d(start, target)) and
         `invalid_rate` when the decider reports it.
     """
     layout, limit = settings(num_rooms, layout_seed, max_steps)
@@ -219,15 +219,13 @@ def evaluate(decide: suite.Decide, num_rooms: int = 8, layout_seed: int = 0, max
 
     result = suite.play_out(starts, decide, step, max_turns=limit + 1)
     figures = suite.summary(
-        result.leaves, random_spl(num_rooms, layout_seed, limit), optimal_spl(num_rooms, layout_seed, limit)
+        result, random_spl(num_rooms, layout_seed, limit), optimal_spl(num_rooms, layout_seed, limit)
     )
     success = sum(leaf.prob for leaf in result.leaves if leaf.state.room == leaf.state.target)
     hops = sum(leaf.prob * leaf.state.steps for leaf in result.leaves if leaf.state.room == leaf.state.target)
     figures["success"] = success
-    figures["mean_hops"] = hops / success if success > 0 else float("nan")
+    figures["mean_hops"] = hops / success if success > 0 else None  # None: no success (JSON has no NaN)
     figures["mean_shortest"] = sum(layout.distance[s][t] for s, t in pairs) / len(pairs)
-    if result.invalid_rate is not None:
-        figures["invalid_rate"] = result.invalid_rate
     return figures
 
 

@@ -183,16 +183,19 @@ def play_out(
     raise RuntimeError(f"An episode was still running after {max_turns} turns; the game should end sooner.")
 
 
-def summary(leaves: Sequence[Leaf], random: float, optimal: float, score: float | None = None) -> dict[str, Any]:
-    """The figures every evaluator reports: `score` (the expected return unless given), `random`, `optimal`,
-    `normalised`, `expected_return` and `mean_turns` (both exact)."""
-    expected = sum(leaf.prob * leaf.total for leaf in leaves)
+def summary(out: PlayOut, random: float, optimal: float, score: float | None = None) -> dict[str, Any]:
+    """The figures every evaluator reports from a play-out: `score` (the expected return unless given), `random`,
+    `optimal`, `normalised`, `expected_return` and `mean_turns` (both exact), and `invalid_rate` when known."""
+    expected = sum(leaf.prob * leaf.total for leaf in out.leaves)
     score = expected if score is None else score
-    return {
+    figures = {
         "score": score,
         "random": random,
         "optimal": optimal,
         "normalised": normalised(score, random, optimal),
         "expected_return": expected,
-        "mean_turns": sum(leaf.prob * len(leaf.actions) for leaf in leaves),
+        "mean_turns": sum(leaf.prob * len(leaf.actions) for leaf in out.leaves),
     }
+    if out.invalid_rate is not None:
+        figures["invalid_rate"] = out.invalid_rate
+    return figures

@@ -269,7 +269,7 @@ def evaluate(decide: Decide, agent_first: bool = True) -> dict:
         ]
 
     result = play_out(starts, decide, step)
-    figures = summary(result.leaves, refs["random"]["expected_return"], refs["optimal"]["expected_return"])
+    figures = summary(result, refs["random"]["expected_return"], refs["optimal"]["expected_return"])
 
     def share(*ends: str) -> float:
         return sum((leaf.prob for leaf in result.leaves if leaf.state[1] in ends), 0.0)
@@ -277,8 +277,6 @@ def evaluate(decide: Decide, agent_first: bool = True) -> dict:
     figures.update(win=share("win"), draw=share("draw"), loss=share("loss", "illegal"), illegal=share("illegal"))
     figures["random_legal"] = refs["random_legal"]["expected_return"]
     figures["minimax"] = refs["minimax"]["expected_return"]
-    if result.invalid_rate is not None:
-        figures["invalid_rate"] = result.invalid_rate
     return figures
 
 
