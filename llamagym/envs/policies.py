@@ -27,7 +27,28 @@ Message = dict[str, str]
 Reply = Callable[[list[Message]], str]
 
 
-class AgentPolicy:
+class _Replayed:
+    """What both deciders share: each distinct path is answered once and remembered with its conversation, the
+    action and whether the reply named one; a Markov policy (`context_turns` 0) keys paths by their last
+    observation only."""
+
+    def __init__(self, markov: bool):
+        self.markov = markov
+        self._done: dict[Any, tuple[list[Message], Any, bool]] = {}  # key -> (conversation with reply, action, valid)
+
+    def _key(self, path: Path):
+        return freeze(path[-1:] if self.markov else path)
+
+    def _history(self, path: Path) -> list[Message]:
+        """The conversation before the path's last observation (empty for a Markov policy or a first turn)."""
+        return [] if self.markov or len(path) == 1 else self._done[self._key(path[:-1])][0]
+
+    def valid(self, paths: list[Path]) -> list[bool]:
+        """Whether each path's reply named a valid action (asked after `__call__`)."""
+        return [self._done[self._key(path)][2] for path in paths]
+
+
+class AgentPolicy(_Replayed):
     """The greedy policy of an `Agent` as a decider: its prompts and conversation, one batched call per turn.
 
     Args:
@@ -37,12 +58,8 @@ class AgentPolicy:
     """
 
     def __init__(self, agent: Agent, chunk: int = 64):
+        super().__init__(agent.formatter.context_turns == 0)
         self.agent, self.chunk = agent, chunk
-        self.markov = agent.formatter.context_turns == 0
-        self._done: dict[Any, tuple[list[Message], Any, bool]] = {}  # key -> (conversation with reply, action, valid)
-
-    def _key(self, path: Path):
-        return freeze(path[-1:] if self.markov else path)
 
     def __call__(self, paths: list[Path]) -> list[Any]:
         # Imported here: acting pulls in generation code that a text-only evaluation never needs.
@@ -64,15 +81,8 @@ class AgentPolicy:
                     self._done[self._key(path)] = (said, d.parsed.action, d.parsed.valid)
         return [self._done[key][1] for key in keys]
 
-    def _history(self, path: Path) -> list[Message]:
-        return [] if self.markov or len(path) == 1 else self._done[self._key(path[:-1])][0]
 
-    def valid(self, paths: list[Path]) -> list[bool]:
-        """Whether each path's reply named a valid action (asked after `__call__`)."""
-        return [self._done[self._key(path)][2] for path in paths]
-
-
-class TextPolicy:
+class TextPolicy(_Replayed):
     """Any `reply(messages) -> text` as a decider, with an agent's hooks: its system prompt, observation text and
     action parsing (JSON first, then `extract_action`; an unparsable reply plays `fallback_action` and is counted).
 
@@ -90,21 +100,17 @@ class TextPolicy:
             if not issubclass(hooks, Agent):
                 raise TypeError(f"`hooks` should be an Agent or an Agent subclass. Received {hooks!r}.")
             hooks = object.__new__(hooks)  # the hooks only: no model is loaded
+        super().__init__(hooks.context_turns == 0)
         self.reply, self.hooks = reply, hooks
         self.fallback_action, self.action_space = fallback_action, action_space
         self.context_turns = hooks.context_turns
-        self.markov = self.context_turns == 0
-        self._done: dict[Any, tuple[list[Message], Any, bool]] = {}
-
-    def _key(self, path: Path):
-        return freeze(path[-1:] if self.markov else path)
 
     def __call__(self, paths: list[Path]) -> list[Any]:
         for path in paths:
             key = self._key(path)
             if key in self._done:
                 continue
-            earlier = [] if self.markov or len(path) == 1 else self._done[self._key(path[:-1])][0]
+            earlier = self._history(path)
             if self.context_turns:
                 earlier = earlier[-2 * self.context_turns :]
             user = {"role": "user", "content": str(self.hooks.format_observation(path[-1]))}
@@ -116,10 +122,6 @@ class TextPolicy:
             said = [*earlier, user, {"role": "assistant", "content": text}]
             self._done[key] = (said, parsed.action, parsed.valid)
         return [self._done[self._key(path)][1] for path in paths]
-
-    def valid(self, paths: list[Path]) -> list[bool]:
-        """Whether each path's reply named a valid action (asked after `__call__`)."""
-        return [self._done[self._key(path)][2] for path in paths]
 
 
 def openai_chat(
