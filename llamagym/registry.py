@@ -17,7 +17,7 @@ _NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]*")
 _HUB_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 # A neutral template for tokenizers that ship none (GPT-2, Phi-2). The generation prompt "Assistant:" is a prefix
-# of the rendered assistant turn, so prompts and responses can be sliced by token counts (DESIGN.md section 3).
+# of the rendered assistant turn, so prompts and responses can be sliced by token counts (docs/design.md §3).
 PLAIN_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
@@ -31,7 +31,8 @@ PLAIN_CHAT_TEMPLATE = (
 # make the sampled and the scored distributions differ. Temperature is applied to both, so it may be below 1.
 SMALL_GENERATION = {"max_new_tokens": 32, "do_sample": True, "temperature": 0.7, "top_p": 1.0}
 LARGE_GENERATION = {"max_new_tokens": 64, "do_sample": True, "temperature": 0.7, "top_p": 1.0}
-# CPU stays float32 for now: bf16 log-probs differ from fp32 by more than a PPO clip range (DESIGN.md section 5).
+# The dtype the weights are loaded in. On a CPU they stay float32 and the policy runs bf16 autocast where the CPU has
+# native bf16 (`Agent(precision="auto")`), with old, reference and new log-probs on that one path (docs/design.md §3).
 DEFAULT_DTYPE = {"cpu": "float32", "cuda": "bfloat16", "mps": "float16"}
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 

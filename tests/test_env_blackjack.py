@@ -1,4 +1,4 @@
-"""Blackjack: the DESIGN.md §7 references, known optimal cells, agreement with the real env, the suite evaluator,
+"""Blackjack: the docs/design.md §8 references, known optimal cells, agreement with the real env, the suite evaluator,
 the agent and the policy picture."""
 
 import gymnasium as gym
@@ -13,7 +13,7 @@ from llamagym.evaluation import sampled_return
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-# DESIGN.md §7: exact expected return and win rate per hand (each confirmed there by 200,000 simulated hands).
+# docs/design.md §8: exact expected return and win rate per hand (each confirmed there by 200,000 simulated hands).
 REFERENCES = {
     "uniform random": (-0.396, 0.28),
     "always stick": (-0.186, 0.38),

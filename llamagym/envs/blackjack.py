@@ -210,7 +210,7 @@ def stick_on_17(player_sum: int, dealer_card: int, usable_ace: int) -> int:
 
 
 def reference_policies() -> dict[str, PolicyLike]:
-    """The four reference policies of DESIGN.md §7, keyed by the labels used in tables and plots."""
+    """The four reference policies of docs/design.md §8, keyed by the labels used in tables and plots."""
     return {
         "uniform random": uniform_random,
         "always stick": always_stick,
