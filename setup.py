@@ -16,7 +16,7 @@ setup(
     long_description_content_type="text/markdown",
     license="MIT",
     packages=find_packages(include=["llamagym", "llamagym.*"]),
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # transformers 5 and numpy 2.4 (the tested set) need 3.11
     install_requires=[
         "torch>=2.3",
         "transformers>=4.51",

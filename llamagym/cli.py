@@ -75,9 +75,9 @@ def doctor(load: bool = True, device: str = "cpu") -> int:
         device: device for that load.
     """
     failed = False
-    python_ok = sys.version_info >= (3, 10)
+    python_ok = sys.version_info >= (3, 11)
     failed |= not python_ok
-    _line("ok" if python_ok else "FAIL", "Python", f"{platform.python_version()} (needs >= 3.10)")
+    _line("ok" if python_ok else "FAIL", "Python", f"{platform.python_version()} (needs >= 3.11)")
     for module, dist, minimum in REQUIRED:
         failed |= not _check_required(module, dist, minimum)
     if failed:

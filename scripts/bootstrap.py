@@ -1,4 +1,4 @@
-"""One command, re-runnable set-up of llamagym's pinned environment (standard library only, Python >= 3.10).
+"""One command, re-runnable set-up of llamagym's pinned environment (standard library only, Python >= 3.11).
 
 Creates a virtual environment, installs the pinned stack from requirements/, the package itself (editable)
 and the embedded default model, then prints the next commands. Every step records a hash of its inputs in a
