@@ -112,7 +112,7 @@ def load_checkpoint(agent, directory: str | Path, restore_rng: bool = True, rest
     except (OSError, RuntimeError, ValueError, KeyError, EOFError) as exc:
         raise CheckpointError(f"{directory} could not be loaded: {exc}") from exc
     agent.episode_count = state["episode_count"]
-    if "episodes" in state:  # absent in checkpoints of llamagym <= 0.2.0
+    if "episodes" in state:  # absent in checkpoints written before it existed
         slots, agent.batch = load_episodes_state(state["episodes"])
         if restore_episodes:
             agent.slots = slots

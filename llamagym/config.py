@@ -39,7 +39,7 @@ def _int(v) -> bool:
 
 @dataclass
 class PPOConfig:
-    """PPO hyperparameters, with defaults that learn small models on a CPU (paper names, see DESIGN.md §3)."""
+    """PPO hyperparameters, with defaults that learn small models on a CPU (paper names, see docs/design.md §3)."""
 
     learning_rate: float = 2e-4  # AdamW step size for the LoRA adapter (and the value head, unless set below)
     value_learning_rate: float | None = None  # AdamW step size for the value head; None = learning_rate
@@ -75,7 +75,7 @@ class PPOConfig:
     natural_damping: float = 0.1  # natural_gradient: relative damping (larger is closer to a plain gradient step)
     anneal_updates: int = 0  # adapter step (learning_rate, natural_step) falls linearly to 0 over N updates; 0 = off
     seed: int = 0  # seed of the minibatch shuffles and replay sampling
-    max_skipped_updates: int = 10  # optimizer steps skipped in a row (non-finite loss/gradient) before the run stops
+    max_skipped_steps: int = 10  # optimizer steps skipped in a row (non-finite loss/gradient) before the run stops
 
     def __post_init__(self) -> None:
         positive = (lambda v: _num(v) and v > 0, "a number > 0")
@@ -115,7 +115,7 @@ class PPOConfig:
                 "natural_damping": positive,
                 "anneal_updates": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0 = no annealing)"),
                 "seed": (_int, "an integer"),
-                "max_skipped_updates": count,
+                "max_skipped_steps": count,
             },
         )
 

@@ -1,6 +1,6 @@
 """PPO for LLM agents over whole episodes of chat turns.
 
-What one action, one reward and one value are (DESIGN.md §3):
+What one action, one reward and one value are (docs/design.md §3):
 1. One action = one assistant turn (a sampled reply).
 2. The state value V(s) is read by the value head at the last prompt token of the turn.
 3. The turn reward = env reward - kl_coef * (summed per-token KL of the reply to the reference policy).
@@ -85,8 +85,8 @@ class PPOTrainer:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.num_updates = 0
         self.step_scale = 1.0  # this update's factor on the adapter's step size (see `anneal_updates`)
-        self.skipped_updates = 0  # all skipped optimizer steps (reported as ppo/skipped_updates)
-        self.consecutive_skips = 0  # skipped since the last applied step; the run stops at max_skipped_updates
+        self.skipped_steps = 0  # all skipped optimizer steps (reported as ppo/skipped_steps)
+        self.consecutive_skips = 0  # skipped since the last applied step; the run stops at max_skipped_steps
         self._batch_summary = ""  # the current batch's reward/advantage/KL range, for the skip warning
 
     # ---- one update ------------------------------------------------------------------------------------------
@@ -188,7 +188,7 @@ class PPOTrainer:
                 "ppo/early_stopped": float(early_stopped),
                 "ppo/epochs_completed": done / len(plans[0]),
                 "ppo/minibatches": float(done),
-                "ppo/skipped_updates": float(self.skipped_updates),
+                "ppo/skipped_steps": float(self.skipped_steps),
                 "ppo/advantages_mean": float(advantages.mean()),
                 "ppo/returns_mean": float(returns.mean()),
                 "ppo/values_mean": float(old_values.mean()),
@@ -437,19 +437,19 @@ class PPOTrainer:
         """Count a skipped step; the first one warns with the batch's stats, too many in a row stop the run.
 
         Raises:
-            RuntimeError: `max_skipped_updates` steps in a row were skipped: training has diverged or the data is bad.
+            RuntimeError: `max_skipped_steps` steps in a row were skipped: training has diverged or the data is bad.
         """
-        self.skipped_updates += 1
+        self.skipped_steps += 1
         self.consecutive_skips += 1
-        if self.skipped_updates == 1:
+        if self.skipped_steps == 1:
             logger.warning(
-                "skipped an optimizer step: %s; %s (counted in ppo/skipped_updates)", why, self._batch_summary
+                "skipped an optimizer step: %s; %s (counted in ppo/skipped_steps)", why, self._batch_summary
             )
-        if self.consecutive_skips >= self.config.max_skipped_updates:
+        if self.consecutive_skips >= self.config.max_skipped_steps:
             raise RuntimeError(
                 f"{self.consecutive_skips} optimizer steps in a row were skipped (last: {why}; {self._batch_summary}). "
                 "Stopping instead of training on garbage. Check the reward scale (huge or non-finite rewards), lower "
-                "the learning rate, or use precision='fp32'. `PPOConfig.max_skipped_updates` sets this limit."
+                "the learning rate, or use precision='fp32'. `PPOConfig.max_skipped_steps` sets this limit."
             )
         return False
 
@@ -479,7 +479,7 @@ class PPOTrainer:
             "kl_controller": self.kl_controller.state_dict(),
             "generator": self.generator.get_state(),
             "num_updates": self.num_updates,
-            "skipped_updates": self.skipped_updates,
+            "skipped_steps": self.skipped_steps,
             "consecutive_skips": self.consecutive_skips,
             "replay": self.replay.state_dict() if self.replay is not None else None,
             "return_moments": self.return_moments.state_dict(),
@@ -490,8 +490,8 @@ class PPOTrainer:
         self.kl_controller.load_state_dict(state["kl_controller"])
         self.generator.set_state(state["generator"])
         self.num_updates = state["num_updates"]
-        self.skipped_updates = state["skipped_updates"]
-        self.consecutive_skips = state.get("consecutive_skips", 0)  # absent in checkpoints of llamagym <= 0.2.0
+        self.skipped_steps = state.get("skipped_steps", state.get("skipped_updates", 0))  # the old name
+        self.consecutive_skips = state.get("consecutive_skips", 0)  # absent in checkpoints written before it existed
         if self.replay is not None and state.get("replay") is not None:
             self.replay.load_state_dict(state["replay"])
         if "return_moments" in state:  # absent in checkpoints written before advantage_scale existed

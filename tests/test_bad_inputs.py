@@ -180,7 +180,7 @@ def failing_hook(ctx):
 
 def diverged_updates(ctx):
     """A reward that went non-finite behind assign_reward's back (as diverged values do) stops the run."""
-    agent = ctx.agent(ppo_config=PPOConfig(batch_size=1, mini_batch_size=1, max_skipped_updates=2))
+    agent = ctx.agent(ppo_config=PPOConfig(batch_size=1, mini_batch_size=1, max_skipped_steps=2))
     agent.act(0)
     agent.act(1)
     agent.episode.turns[0].reward = float("inf")
@@ -237,8 +237,8 @@ CASES = [
         ValueError, "`natural_damping` should be a number > 0. Received 0."),
     row("config-anneal-updates-negative", lambda c: PPOConfig(anneal_updates=-1),
         ValueError, "`anneal_updates` should be an integer >= 0 (0 = no annealing). Received -1."),
-    row("config-max-skipped-updates-zero", lambda c: PPOConfig(max_skipped_updates=0),
-        ValueError, "`max_skipped_updates` should be an integer >= 1. Received 0."),
+    row("config-max-skipped-steps-zero", lambda c: PPOConfig(max_skipped_steps=0),
+        ValueError, "`max_skipped_steps` should be an integer >= 1. Received 0."),
     row("replay-top-fraction-zero", lambda c: ReplayConfig(top_fraction=0),
         ValueError, "`top_fraction` should be in the interval (0, 1]. Received 0."),
     row("replay-capacity-bool", lambda c: ReplayConfig(capacity=True),

@@ -146,7 +146,7 @@ def test_natural_trainer_skips_a_non_finite_step_and_leaves_the_weights(model, l
     ]
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     stats = trainer.step(episodes)
-    assert stats["ppo/skipped_updates"] >= 1
+    assert stats["ppo/skipped_steps"] >= 1
     assert all(torch.equal(before[n], p) for n, p in policy.named_parameters())
 
 

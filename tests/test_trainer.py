@@ -104,7 +104,7 @@ def test_nan_reward_skips_the_step_and_keeps_weights(model, lora_config, tokeniz
     episodes = make_episodes()
     episodes[0].turns[0].reward = float("nan")
     stats = trainer.step(episodes)
-    assert stats["ppo/skipped_updates"] > 0
+    assert stats["ppo/skipped_steps"] > 0
     assert all(torch.equal(before[n], p) for n, p in trainer.policy.named_parameters())
 
 
@@ -115,17 +115,17 @@ def test_the_first_skip_warns_once_with_the_batch_stats(model, lora_config, toke
     with caplog.at_level("WARNING", logger="llamagym.trainer"):
         stats = trainer.step(episodes)
     warnings = [r.getMessage() for r in caplog.records if "skipped an optimizer step" in r.getMessage()]
-    assert stats["ppo/skipped_updates"] == 6 and len(warnings) == 1  # 2 epochs x 3 minibatches, one warning
+    assert stats["ppo/skipped_steps"] == 6 and len(warnings) == 1  # 2 epochs x 3 minibatches, one warning
     assert "non-finite loss" in warnings[0] and "mean reward nan" in warnings[0] and "kl/ref" in warnings[0]
 
 
 def test_repeated_skips_stop_the_run_but_an_applied_step_resets_the_count(model, lora_config, tokenizer):
-    trainer = make_trainer(model, lora_config, tokenizer, ppo_epochs=1, max_skipped_updates=4)
+    trainer = make_trainer(model, lora_config, tokenizer, ppo_epochs=1, max_skipped_steps=4)
     bad = make_episodes()
     bad[0].turns[0].reward = float("inf")
     trainer.step(bad)  # 3 minibatches, 3 skipped steps in a row: below the limit
     trainer.step(make_episodes())  # finite: steps are applied again
-    assert trainer.consecutive_skips == 0 and trainer.skipped_updates == 3
+    assert trainer.consecutive_skips == 0 and trainer.skipped_steps == 3
     trainer.step(bad)
     with pytest.raises(RuntimeError, match=r"4 optimizer steps in a row were skipped.*learning rate"):
         trainer.step(bad)
