@@ -44,7 +44,7 @@ class PPOConfig:
     learning_rate: float = 2e-4  # AdamW step size for the LoRA adapter (and the value head, unless set below)
     value_learning_rate: float | None = None  # AdamW step size for the value head; None = learning_rate
     batch_size: int = 32  # episodes collected before each PPO update
-    mini_batch_size: int | None = None  # turns per optimizer step; None (or more than a batch holds) = the whole batch
+    mini_batch_size: int | None = None  # turns per optimizer step; None = whole batch for natural steps, 8 for AdamW
     micro_batch_size: int | None = 8  # distinct inputs per forward/backward within a step (bounds memory); None = all
     ppo_epochs: int = 2  # passes over the batch per update
     gamma: float = 1.0  # discount across the turns of an episode
@@ -52,6 +52,8 @@ class PPOConfig:
     clip_coef: float = 0.2  # PPO ratio clip range
     vf_clip_coef: float | None = None  # value clip range around the old value (None = unclipped)
     vf_coef: float = 0.5  # weight of the value loss
+    value_refit: float | None = 1.0  # after each update refit the value head by ridge regression on the batch's
+    # returns, with this relative damping (ppo.ridge_refit); None = value-loss steps only
     ent_coef: float = 0.0  # weight of the entropy bonus on response tokens
     max_grad_norm: float = 1.0  # global gradient-norm clip (with natural_gradient: of the adapter step itself)
     whiten_advantages: bool = True  # center advantages on the batch's mean and divide them by `advantage_scale`
@@ -96,6 +98,7 @@ class PPOConfig:
                 "clip_coef": positive,
                 "vf_clip_coef": (lambda v: v is None or (_num(v) and v > 0), "None or a number > 0"),
                 "vf_coef": non_negative,
+                "value_refit": (lambda v: v is None or (_num(v) and v > 0), "None or a number > 0"),
                 "ent_coef": non_negative,
                 "max_grad_norm": positive,
                 "whiten_advantages": (lambda v: isinstance(v, bool), "True or False"),

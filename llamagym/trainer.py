@@ -43,6 +43,7 @@ from .rollout import (
 from .trust_region import TrustRegion, categorical_kl
 
 logger = logging.getLogger(__name__)
+PLAIN_MINI_BATCH = 8  # turns per AdamW step when `mini_batch_size` is None
 
 
 class PPOTrainer:
@@ -109,17 +110,19 @@ class PPOTrainer:
         mask = _action_mask(batch)
         # Shuffles for every epoch are drawn up front: the old log-probs are computed on epoch 0's minibatches,
         # so the first minibatch repeats that exact forward and its ratio is exactly 1.
-        size = cfg.mini_batch_size or len(turns)
+        # Minibatches: a natural step solves over every distinct input at once, so it takes the whole batch; an AdamW
+        # step is one small move, so plain steps take several per epoch (generate mode learned with 8-turn ones).
+        size = cfg.mini_batch_size or (len(turns) if self._natural else PLAIN_MINI_BATCH)
         plans = [minibatch_indices(len(turns), size, self.generator) for _ in range(cfg.ppo_epochs)]
 
         # 1. old log-probs and values (and, scoring, the old distributions over candidates), reference log-probs
         #    (no grad, dropout off)
-        old_logprobs, old_values, old_dists = self._score(batch, groups, plans[0], reference=False)
+        old_logprobs, old_values, old_dists, features = self._score(batch, groups, plans[0], reference=False)
         if self.kl_controller.value == 0 and not cfg.adaptive_kl:
             ref_logprobs = old_logprobs  # the KL term is off: skip the reference forward pass
         else:
             with self.policy.reference():
-                ref_logprobs, _, _ = self._score(batch, groups, plans[0], reference=True)
+                ref_logprobs = self._score(batch, groups, plans[0], reference=True)[0]
 
         # 2. per-turn rewards: env reward minus the KL penalty to the reference
         kl_ref = (ppo.kl_penalty(old_logprobs, ref_logprobs, cfg.kl_estimator) * mask).sum(dim=-1)
@@ -172,11 +175,17 @@ class PPOTrainer:
 
         self._row_grads, self._row_targets = None, []  # an early stop leaves a minibatch's unused: let them go
 
-        # 5. adapt the KL coefficient toward its target
+        # 5. refit the value head to this batch's returns (its AdamW steps alone barely move it in a few steps)
+        if features is not None:
+            refit_ev = self._refit_value(features, returns)
+            if math.isfinite(refit_ev):  # undefined when every return is equal
+                spread["ppo/value_refit_ev"] = refit_ev
+
+        # 6. adapt the KL coefficient toward its target
         mean_kl_ref = float(kl_ref.mean())
         self.kl_controller.update(mean_kl_ref, len(turns))
 
-        # 6. SFT warm-start: imitate the best episodes (and demonstrations)
+        # 7. SFT warm-start: imitate the best episodes (and demonstrations)
         sft_stats = self._sft(episodes) if self.replay is not None else {}
 
         self.num_updates += 1
@@ -259,21 +268,46 @@ class PPOTrainer:
 
     @torch.no_grad()
     def _score(self, batch, groups, plan: list[torch.Tensor], reference: bool):
-        """Log-probs (N, T), values (N,) and, scoring, the candidate distributions (N, C) of the whole batch,
-        computed micro-batch by micro-batch as the first epoch will (so the first minibatch's ratio is exactly 1)."""
+        """Log-probs (N, T), values (N,), scoring the candidate distributions (N, C) (else None), and the value
+        head's inputs (N, H) when `value_refit` asks for them (else None) of the whole batch, computed micro-batch
+        by micro-batch as the first epoch will (so the first minibatch's ratio is exactly 1)."""
         logprobs = torch.zeros_like(_action_mask(batch))
         values = torch.zeros(batch.input_ids.shape[0], device=logprobs.device)
-        dists = None
+        dists = features = None
+        seen: list[torch.Tensor] = []
+        keep = not reference and self.config.value_refit is not None
+        hook = self.policy.value_head.register_forward_pre_hook(lambda _, args: seen.append(args[0])) if keep else None
         for part in (part for index in plan for part in self._micro(groups, index)):
             mb_logprobs, _, mb_values, _, mb_dists = self._evaluate(batch, groups, part, reference=reference)
             logprobs[part, : mb_logprobs.shape[1]] = mb_logprobs
             values[part] = mb_values
+            if keep:  # the head saw each distinct input once: spread them back over the part's turns
+                inverse = torch.unique(groups[part], return_inverse=True)[1]
+                if features is None:
+                    features = torch.zeros(len(values), seen[-1].shape[-1], device=logprobs.device)
+                features[part] = seen.pop().float()[inverse]
             if mb_dists is not None:
                 if dists is None:  # as wide as the batch's most candidates; a micro-batch may have fewer
                     width = int(batch.num_candidates.max())
                     dists = torch.full((len(values), width), -math.inf, device=logprobs.device)
                 dists[part, : mb_dists.shape[1]] = mb_dists
-        return logprobs, values, dists
+        if hook is not None:
+            hook.remove()
+        return logprobs, values, dists, features
+
+    @torch.no_grad()
+    def _refit_value(self, features: torch.Tensor, returns: torch.Tensor) -> float:
+        """Refit the value head by ridge regression toward this batch's returns (`ppo.ridge_refit`); returns the
+        refit head's explained variance on the batch."""
+        linear = self.policy.value_head.linear
+        weight, bias = ppo.ridge_refit(features, returns, linear.weight, linear.bias, self.config.value_refit)
+        if not (torch.isfinite(weight).all() and torch.isfinite(bias).all()):
+            logger.warning("value_refit gave non-finite weights; the value head keeps its value-loss steps only")
+            return float("nan")
+        linear.weight.copy_(weight)
+        linear.bias.copy_(bias)
+        fitted = (features @ weight.T).squeeze(-1) + bias
+        return float(ppo.explained_variance(fitted, returns, torch.ones_like(returns)))
 
     def _minibatch_loss(self, batch, groups, index, old_logprobs, old_values, advantages, returns) -> dict | None:
         """Forward and backward one minibatch in micro-batches (gradients accumulate); returns its stats.
@@ -327,7 +361,11 @@ class PPOTrainer:
     def _measure(self, batch, groups, index, old_logprobs, old_dists, advantages, surrogate_before: float):
         """How far the policy now is from the batch's old one on rows `index`: the mean and largest KL(old || new)
         per turn (exact over the candidates when scoring, the k3 estimate summed over the reply when generating),
-        and whether the unclipped surrogate mean(ratio x advantage) improved on `surrogate_before`."""
+        and whether the unclipped surrogate mean(ratio x advantage) did not fall below `surrogate_before`.
+
+        "Below" allows 0.1% of the mean |advantage|: under bf16 a tiny step moves log-probs by rounding as much as
+        by the step, and a stricter test rejected such steps at random, halving the step size each time.
+        """
         mask = _action_mask(batch)
         kls, surrogate, tokens = [], 0.0, mask[index].sum()
         for part in self._micro(groups, index):
@@ -341,7 +379,8 @@ class PPOTrainer:
             part_advantages = advantages[part].unsqueeze(-1).expand_as(old)
             surrogate += float(_surrogate(logprobs, old, part_advantages, part_mask) * part_mask.sum() / tokens)
         kl = torch.cat(kls)
-        return float(kl.mean()), float(kl.max()), surrogate >= surrogate_before - 1e-6
+        tolerance = 1e-3 * float(advantages[index].abs().mean()) + 1e-7
+        return float(kl.mean()), float(kl.max()), surrogate >= surrogate_before - tolerance
 
     def _moved(self) -> None:
         """The trust region changed the weights: outputs cached under the old version are stale."""
@@ -442,9 +481,7 @@ class PPOTrainer:
         self.skipped_steps += 1
         self.consecutive_skips += 1
         if self.skipped_steps == 1:
-            logger.warning(
-                "skipped an optimizer step: %s; %s (counted in ppo/skipped_steps)", why, self._batch_summary
-            )
+            logger.warning("skipped an optimizer step: %s; %s (counted in ppo/skipped_steps)", why, self._batch_summary)
         if self.consecutive_skips >= self.config.max_skipped_steps:
             raise RuntimeError(
                 f"{self.consecutive_skips} optimizer steps in a row were skipped (last: {why}; {self._batch_summary}). "
@@ -483,6 +520,7 @@ class PPOTrainer:
             "consecutive_skips": self.consecutive_skips,
             "replay": self.replay.state_dict() if self.replay is not None else None,
             "return_moments": self.return_moments.state_dict(),
+            "trust_start": self.trust_region.start if self.trust_region is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -496,6 +534,8 @@ class PPOTrainer:
             self.replay.load_state_dict(state["replay"])
         if "return_moments" in state:  # absent in checkpoints written before advantage_scale existed
             self.return_moments.load_state_dict(state["return_moments"])
+        if self.trust_region is not None and state.get("trust_start") is not None:
+            self.trust_region.start = state["trust_start"]
 
 
 def distinct_inputs(turns: list[Turn]) -> torch.Tensor:

@@ -23,6 +23,7 @@ from llamagym.ppo import (
     masked_var,
     masked_whiten,
     policy_loss,
+    ridge_refit,
     value_loss,
 )
 
@@ -375,3 +376,17 @@ def test_kl_controllers_round_trip_state_dict_and_fixed_never_moves():
 def test_adaptive_kl_controller_rejects_non_positive_target():
     with pytest.raises(ValueError, match="target"):
         AdaptiveKLController(0.1, target=0.0, horizon=100)
+
+
+def test_ridge_refit_golden_values():
+    features, targets = torch.tensor([[1.0], [2.0]]), torch.tensor([1.0, 2.0])
+    zero_w, zero_b = torch.zeros(1, 1), torch.zeros(1)
+    weight, bias = ridge_refit(features, targets, zero_w, zero_b, damping=0.0)  # plain least squares: y = x
+    torch.testing.assert_close((weight, bias), (torch.tensor([[1.0]]), torch.tensor([0.0])))
+    # X = [[1, 1], [2, 1]]: X^T X = [[5, 3], [3, 2]], trace 7, so damping 2/7 gives lam = 1 (per entry of w);
+    # (X^T X + I) delta = X^T y = [5, 3]  ->  delta = [[6, 3], [3, 3]]^-1 [5, 3] = [2/3, 1/3]
+    weight, bias = ridge_refit(features, targets, zero_w, zero_b, damping=2 / 7)
+    torch.testing.assert_close((weight, bias), (torch.tensor([[2 / 3]]), torch.tensor([1 / 3])))
+    # pulled toward the current head: a head that already fits stays exactly where it is
+    weight, bias = ridge_refit(features, targets, torch.tensor([[1.0]]), torch.tensor([0.0]), damping=5.0)
+    torch.testing.assert_close((weight, bias), (torch.tensor([[1.0]]), torch.tensor([0.0])))

@@ -13,7 +13,7 @@ from llamagym.policy import Policy
 from llamagym.rollout import Episode, Turn, collate_scored
 from llamagym.tiny import build_tiny_model
 from llamagym.trainer import PPOTrainer
-from llamagym.trust_region import TrustRegion, categorical_kl, step_scale
+from llamagym.trust_region import TrustRegion, categorical_kl, next_start, step_scale
 
 PROMPTS = [[257, 50, 51, 256, 259], [257, 52, 256, 258, 53, 256, 259], [257, 54, 256, 259]]
 CANDIDATES = [[[60, 61, 256], [70, 256]], [[80, 256], [81, 82, 83, 256], [84, 256]], [[60, 256], [61, 256]]]
@@ -38,6 +38,39 @@ def test_categorical_kl_golden_value_and_padding():
 )
 def test_step_scale_golden_values(scale, kl, gained, expected):
     assert step_scale(scale, kl, max_kl=0.02, gained=gained) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "start, scale, kl, expected",
+    [
+        (1.0, 1.0, 0.005, math.sqrt(0.9 * 0.02 / 0.005)),  # a quarter of the bound used: the quadratic model's 1.897
+        (1.0, 1.0, 0.0, 2.0),  # nothing moved (e.g. zero advantages): grow, at most 2x
+        (0.2, 0.2, 0.019, 0.2 * math.sqrt(0.9 * 0.02 / 0.019)),  # just inside: about the same
+        (0.2, 0.1, 0.2, 0.1),  # 10x the bound at half the start: shrink, at most 2x below the start
+        (1.0, 0.01, 0.0003, 0.5),  # halved for its surrogate: the next starts near the last start, not there
+        (6.0, 6.0, 0.001, 8.0),  # never beyond 8x the step as computed
+    ],
+)
+def test_next_start_golden_values(start, scale, kl, expected):
+    assert next_start(start, scale, kl, max_kl=0.02) == pytest.approx(expected)
+
+
+def test_the_next_step_starts_where_the_last_accepted_one_suggests():
+    w = torch.nn.Parameter(torch.zeros(1))
+    region = TrustRegion([w], max_kl=0.02)
+    kl = lambda: (float(w.pow(2).sum() / 2), float(w.pow(2).sum() / 2), True)  # noqa: E731
+    region.remember()
+    with torch.no_grad():
+        w += 0.1  # KL 0.005: a quarter of the bound, accepted as taken
+    assert region.enforce(kl, lambda: None)["scale"] == 1.0
+    assert region.start == pytest.approx(math.sqrt(0.9 * 0.02 / 0.005))
+    region.remember()
+    start = w.detach().clone()
+    with torch.no_grad():
+        w += 0.1  # the same step again: first measured at the suggested scale, so it lands at 0.9 x the bound
+    result = region.enforce(lambda: (float((w - start).pow(2).sum() / 2),) * 2 + (True,), lambda: None)
+    assert result["tries"] == 1.0 and result["kl"] == pytest.approx(0.9 * 0.02)
+    torch.testing.assert_close(w.detach() - start, torch.tensor([0.1 * result["scale"]]))
 
 
 def test_trust_region_backtracks_a_step_until_it_fits_and_undoes_one_that_never_does():
@@ -158,3 +191,14 @@ def test_generate_mode_takes_plain_steps_without_the_noisy_bound_unless_asked(mo
     )
     stats = asked.step(episodes)
     assert asked._natural and "trust/scale" in stats
+
+
+def test_minibatches_by_default_whole_batch_for_natural_steps_eight_turns_for_adamw(model, lora_config, tokenizer):
+    generated = [
+        Episode([Turn(p, c[0], float(i % 2), candidates=None)])
+        for i, (p, c) in enumerate(zip(PROMPTS * 4, CANDIDATES * 4, strict=True))
+    ][:10]
+    trainer = PPOTrainer(Policy(model, lora_config, precision="fp32"), PPOConfig(), tokenizer.pad_token_id)
+    assert trainer.step(generated)["ppo/minibatches"] == 2 * 2  # 2 epochs x (8 + 2 turns): AdamW steps
+    natural = trainer.step(scored_episodes([1.0, 0.0] * 5, [0, 1] * 5))
+    assert natural["ppo/minibatches"] == 2  # 2 epochs x the whole batch: one solve over its distinct inputs
