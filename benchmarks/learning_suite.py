@@ -38,6 +38,7 @@ THRESHOLDS = (0.5, 0.8)
 LOGGED = (
     "env/batch_return", "adv/return_std", "adv/raw_std", "adv/returns_running_std", "adv/equal_returns",
     "ppo/entropy", "ppo/approx_kl", "ppo/clipfrac", "ppo/value_loss", "ppo/explained_variance", "ppo/grad_norm",
+    "ppo/value_refit_ev", "trust/tries",
     "ppo/distinct_turns", "ppo/num_turns", "trust/kl", "trust/kl_max", "trust/scale", "trust/undone", "kl/ref",
     "time/update_s", "agent/batch_invalid_action_rate",
 )  # fmt: skip
@@ -290,19 +291,21 @@ def plot(runs: list[dict], game_name: str, path: Path) -> None:
 
 def plot_updates(run: dict, path: Path) -> None:
     """What each update did, against training time: the batch's return and its spread, the entropy, the KL the
-    update moved the policy by (trust region), and the greedy policy's normalised score at each evaluation."""
+    update moved the policy by (trust region), how much of the return variance the value head explained (before
+    the update: on returns it had not seen), and the greedy policy's normalised score at each evaluation."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(8, 7), layout="constrained")
+    fig = Figure(figsize=(8, 8.5), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(4, 1, sharex=True)
+    axes = fig.subplots(5, 1, sharex=True)
     log = run["updates_log"]
     panels = [
         (("normalised",), run["curve"], "greedy score (0 random, 1 optimal)"),
         (("env/batch_return", "adv/return_std", "adv/raw_std"), log, "batch return, spreads"),
         (("ppo/entropy",), log, "entropy"),
         (("trust/kl", "trust/kl_max", "ppo/approx_kl"), log, "KL(old || new)"),
+        (("ppo/explained_variance",), log, "value head: explained variance"),
     ]
     for ax, (keys, rows, label) in zip(axes, panels, strict=True):
         for key in keys:
