@@ -53,8 +53,8 @@ class FrozenLayerCache:
             bottom = self._run(
                 slice(0, self.start), attention_mask[rows], position_ids, rows, input_ids=input_ids[rows]
             )
-            for k, i in enumerate(missing):
-                states[keys[i]] = bottom[k, : lengths[i]].detach()
+            for k, i in enumerate(missing):  # a copy: a view would keep the whole padded batch alive, unaccounted
+                states[keys[i]] = bottom[k, : lengths[i]].detach().clone()
                 self._put(keys[i], states[keys[i]])
         first = states[keys[0]]
         hidden = first.new_zeros((len(keys), input_ids.shape[1], first.shape[-1]))

@@ -76,6 +76,14 @@ def test_memory_stays_within_the_budget(tokenizer, lora_config):
     assert len(cache.entries) == 1 and cache.size == next(iter(cache.entries.values())).numel() * 4
 
 
+def test_each_entry_holds_its_own_memory_so_the_budget_counts_what_is_held(tokenizer, lora_config):
+    cached, _ = twin_policies(tokenizer, lora_config)
+    cached.score(collate_scored(PROMPTS[:2], CANDIDATES[:2], pad_token_id=256))  # rows of different lengths
+    for state in cached.frozen_cache.entries.values():  # not views of the padded batch, which would stay alive
+        assert state.untyped_storage().nbytes() == state.numel() * state.element_size()
+    assert cached.frozen_cache.size == sum(s.untyped_storage().nbytes() for s in cached.frozen_cache.entries.values())
+
+
 def test_the_agent_turns_the_cache_on_with_lora_layers_and_off_with_zero_megabytes(model, tokenizer, lora_config):
     from tests.test_agent import make_agent
 
