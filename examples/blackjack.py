@@ -116,6 +116,14 @@ def evaluate(agent, args, output_dir, returns, name="eval"):
     return result
 
 
+def log_update(metrics, run, stats: dict) -> None:
+    """One metrics.jsonl line per update (flushed, so a killed run keeps it), and W&B when it is on."""
+    metrics.write(json.dumps(stats) + "\n")
+    metrics.flush()
+    if run is not None:
+        run.log(stats, step=stats["update"])
+
+
 def main():
     args = parse_args()
     random.seed(args.seed)
@@ -249,25 +257,22 @@ def main():
                     progress.write(
                         f"update {updates}: exact return of the greedy policy {stats['eval/exact_return']:+.4f}"
                     )
-                metrics.write(json.dumps(stats) + "\n")
-                metrics.flush()
-                if run is not None:
-                    run.log(stats, step=updates)
+                log_update(metrics, run, stats)
                 # checkpoint here, after the resets: envs, observations and running episodes agree
                 stopped = 0 < args.max_updates <= updates
                 if updates % args.checkpoint_every == 0 or stopped:
                     agent.save(checkpoint, extra=resume_state())
                 if stopped:
                     break
+        if not stopped and agent.batch:  # a last, partial batch (e.g. a 5-episode sanity run): trained on, logged
+            updates += 1
+            log_update(metrics, run, {**agent.train(), "update": updates, "episodes": len(returns)})
     progress.close()
     if stopped:
         print(f"stopped after {updates} updates ({len(returns)} episodes); continue with --resume")
         if run is not None:
             run.finish()
         return
-    if agent.batch:  # a last, partial batch (e.g. a 5-episode sanity run) is trained on too
-        agent.train()
-        updates += 1
 
     wall = time.time() - start
     agent.save(checkpoint, extra=resume_state())

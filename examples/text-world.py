@@ -177,6 +177,14 @@ def evaluate(agent, env_id, args, output_dir, name, episodes_trained=0):
     return result
 
 
+def log_update(metrics, run, stats: dict) -> None:
+    """One metrics.jsonl line per update (flushed, so a killed run keeps it), and W&B when it is on."""
+    metrics.write(json.dumps(stats) + "\n")
+    metrics.flush()
+    if run is not None:
+        run.log(stats, step=stats["update"])
+
+
 def main():
     args = parse_args()
     random.seed(args.seed)
@@ -257,14 +265,11 @@ def main():
                     running_win_rate=float(np.mean(wins[-args.batch_size :])),
                     running_steps=float(np.mean(lengths[-args.batch_size :])),
                 )
-                metrics.write(json.dumps(stats) + "\n")
-                metrics.flush()
-                if run is not None:
-                    run.log(stats, step=updates)
+                log_update(metrics, run, stats)
+        if agent.batch:  # a last, partial batch: trained on, and logged like the others
+            updates += 1
+            log_update(metrics, run, {**agent.train(), "update": updates, "episodes": len(returns)})
     progress.close()
-    if agent.batch:  # a last, partial batch is trained on too
-        agent.train()
-        updates += 1
     agent.abort_episodes([True] * len(agent.slots))  # games still running when the budget ran out
     for e in envs:
         e.close()

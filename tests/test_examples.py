@@ -46,6 +46,16 @@ def test_blackjack_smoke_run_trains_and_writes_metrics_and_adapter(tmp_path):
     assert (tmp_path / "run" / "checkpoint" / "adapter_model.safetensors").exists()
 
 
+def test_blackjack_logs_the_last_partial_batch_update_too(tmp_path):
+    run = tmp_path / "run"
+    args = ("--model", "tiny-random", "--episodes", "3", "--batch-size", "2", "--num-envs", "1", "--device", "cpu")
+    result = run_example("blackjack.py", *args, "--eval-every", "0", "--output-dir", str(run), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["update"] for line in lines] == [1, 2] and "ppo/policy_loss" in lines[-1]  # 2 hands, then 1
+    assert "updates 2" in result.stdout
+
+
 def test_textworld_smoke_run_trains_and_writes_metrics_adapter_and_eval(tmp_path):
     pytest.importorskip("textworld")  # the optional extra: scripts/bootstrap.py --extras textworld
     run = tmp_path / "run"
