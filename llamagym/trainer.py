@@ -422,7 +422,7 @@ class PPOTrainer:
         """Accumulate the gradient of `loss`; a non-finite loss clears the accumulated gradients instead."""
         if not torch.isfinite(loss):
             self.optimizer.zero_grad(set_to_none=True)
-            return self._skip(f"non-finite loss {float(loss)}")
+            return self._skip(f"non-finite loss {float(loss.detach())}")
         loss.backward()
         return True
 
@@ -503,7 +503,7 @@ class PPOTrainer:
             out = self.policy(batch.input_ids, batch.attention_mask, batch.response_mask)
             loss = sft_loss(out.logprobs, batch.response_mask)
             if self._backward(cfg.sft_coef * loss) and self._step(sft_stats, plain=True):
-                losses.append(float(loss))
+                losses.append(float(loss.detach()))
         stats = {"sft/buffer_size": float(len(self.replay)), "sft/added": float(added)}
         if losses:
             stats["sft/loss"] = sum(losses) / len(losses)
