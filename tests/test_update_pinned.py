@@ -1,0 +1,61 @@
+"""Today's update, pinned: a fixed-seed GAE update on the tiny model must give the same parameters after a refactor.
+
+Two paths: generate-mode turns (AdamW steps on 8-turn minibatches) and scored turns (the default natural-gradient
+steps in a KL trust region, then the value refit). Each runs two updates from fixed seeds, in float32. The golden
+figures are the trainable parameters' move projected on fixed random directions; they were computed before the
+package moved into `agent/`, `algos/` and `models/`, where the parameters also matched bit for bit. They are compared
+to a relative 1e-4, so that another CPU's float32 kernels pass, while any change to what an update does fails.
+"""
+
+import pytest
+import torch
+
+from llamagym.config import PPOConfig
+from llamagym.policy import Policy
+from llamagym.rollout import Episode, Turn
+from llamagym.tiny import build_tiny_model
+from llamagym.trainer import PPOTrainer
+
+
+def episodes(scored: bool, seed: int) -> list[Episode]:
+    """12 episodes of 1-3 turns over 5 distinct prompts, rewards that differ by prompt and choice."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 250, (4 + p,), generator=g).tolist() for p in range(5)]
+    candidates = [[40, 41], [42], [43, 44, 45]]
+    result = []
+    for e in range(12):
+        turns = []
+        for k in range(1 + e % 3):
+            p = int(torch.randint(0, 5, (1,), generator=g))
+            if scored:
+                choice = int(torch.randint(0, 3, (1,), generator=g))
+                turns.append(Turn(prompts[p], candidates[choice], 0.0, candidates=candidates, choice=choice))
+            else:
+                reply = torch.randint(3, 250, (2 + k,), generator=g).tolist()
+                turns.append(Turn(prompts[p], reply, 0.0))
+        turns[-1].reward = float(p % 2) - 0.5 * (turns[-1].choice == 1 if scored else k)
+        result.append(Episode(turns))
+    return result
+
+
+def moves(scored: bool, lora_config, tokenizer) -> list[float]:
+    torch.manual_seed(0)  # the LoRA and value-head initialisation
+    policy = Policy(build_tiny_model(tokenizer, seed=0), lora_config, precision="fp32")
+    trainer = PPOTrainer(policy, PPOConfig(seed=0), tokenizer.pad_token_id)
+    before = torch.cat([p.detach().flatten() for p in policy.trainable_parameters()])
+    for update in range(2):
+        trainer.step(episodes(scored, seed=update))
+    move = torch.cat([p.detach().flatten() for p in policy.trainable_parameters()]) - before
+    directions = torch.randn(3, move.numel(), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    return [float(move.double().norm()), *(directions @ move.double()).tolist()]
+
+
+GOLDEN = {
+    False: [0.19350203305339012, -0.16816408018230267, -0.12256689114175584, 0.021356186385946652],
+    True: [0.2752272412077611, -0.25538523744039543, 0.13429003562099895, 0.43659634641264344],
+}
+
+
+@pytest.mark.parametrize("scored", [False, True], ids=["generate-adamw", "score-natural"])
+def test_a_fixed_seed_update_moves_the_parameters_as_before(scored, lora_config, tokenizer):
+    assert moves(scored, lora_config, tokenizer) == pytest.approx(GOLDEN[scored], rel=1e-4)
