@@ -7,8 +7,8 @@ layers), and follow the exact policy-gradient objective over all 280 states,
     J = mean_s pi(hit | s) * (Q*(s, hit) - Q*(s, stick)),
 
 side by side: the trainer's AdamW at the example's learning rate, and the natural-gradient step of
-`llamagym.natural` with the example's step size, damping and norm clip. It prints, every few steps, J, the exact
-expected return of the greedy policy, and how many of the 280 states agree with the optimal action.
+`llamagym.algos.natural_gradient` with the example's step size, damping and norm clip. It prints, every few steps,
+J, the exact expected return of the greedy policy, and how many of the 280 states agree with the optimal action.
 
     python benchmarks/natural_gradient.py            # 30 steps each (about 6 minutes on 2 cores)
     python benchmarks/natural_gradient.py --steps 3  # checks that the script works
@@ -23,10 +23,10 @@ import gymnasium as gym
 import torch
 
 from llamagym import load_model_and_tokenizer
-from llamagym.acting import decide
+from llamagym.agent.choosing import decide
+from llamagym.algos.natural_gradient import RowGradients, natural_direction, subtract_flat
+from llamagym.algos.rollout import collate_scored
 from llamagym.envs.blackjack import STATES, BlackjackAgent, exact_return, optimal_advantages, optimal_policy
-from llamagym.natural import RowGradients, natural_direction, subtract_flat
-from llamagym.rollout import collate_scored
 
 
 def run(method, args, gains, best):

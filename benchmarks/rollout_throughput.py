@@ -23,7 +23,7 @@ import gymnasium as gym
 import torch
 
 from llamagym import Agent, PPOConfig, load_model_and_tokenizer
-from llamagym.rollout import collate_scored
+from llamagym.algos.rollout import collate_scored
 
 BLACKJACK = {"id": "Blackjack-v1", "natural": False, "sab": False}  # no time limit: episodes never truncate
 
@@ -180,7 +180,7 @@ def time_update(name, agent, episodes):
 
 def time_sharing(agent, episodes):
     """(h) The same update with the repeated-input savings off, then on, side by side (see README, Training)."""
-    from llamagym import trainer as trainer_module
+    from llamagym.algos import trainer as trainer_module
 
     share, cache = trainer_module.distinct_inputs, agent.policy.frozen_cache
     rows = []

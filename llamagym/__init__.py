@@ -1,6 +1,6 @@
 """llamagym: fine-tune LLM agents with online reinforcement learning in any Gymnasium environment.
 
-The public names are imported lazily (PEP 562), so `llamagym models` and `import llamagym.registry` stay instant.
+The public names are imported lazily (PEP 562), so `llamagym models` and `import llamagym.models.registry` stay instant.
 """
 
 from __future__ import annotations
@@ -12,23 +12,23 @@ import logging
 # path needs CUDA and is never used on a CPU, so the warning only confuses; errors still show.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 _EXPORTS = {
     "Agent": "agent",
     "PPOConfig": "config",
     "ReplayConfig": "config",
-    "ModelLoadError": "loading",
-    "load_model_and_tokenizer": "loading",
-    "Policy": "policy",
-    "PPOTrainer": "trainer",
-    "DEFAULT_MODEL": "registry",
-    "MODELS": "registry",
-    "ModelSpec": "registry",
-    "UnknownModelError": "registry",
-    "find_model_spec": "registry",
-    "get_model_spec": "registry",
-    "register_model": "registry",
+    "ModelLoadError": "models.loading",
+    "load_model_and_tokenizer": "models.loading",
+    "Policy": "models.policy",
+    "PPOTrainer": "algos.trainer",
+    "DEFAULT_MODEL": "models.registry",
+    "MODELS": "models.registry",
+    "ModelSpec": "models.registry",
+    "UnknownModelError": "models.registry",
+    "find_model_spec": "models.registry",
+    "get_model_spec": "models.registry",
+    "register_model": "models.registry",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -15,7 +15,7 @@ import re
 import sys
 import time
 
-from llamagym.registry import DEFAULT_MODEL, MODELS
+from llamagym.models.registry import DEFAULT_MODEL, MODELS
 
 # (import name, distribution, minimum version from setup.py)
 REQUIRED = (
@@ -123,7 +123,7 @@ def _check_devices() -> bool:
 
 
 def _check_default_model(load: bool, device: str) -> bool:
-    from llamagym.loading import default_model_status
+    from llamagym.models.loading import default_model_status
 
     status = default_model_status()
     if not status["installed"]:
@@ -151,7 +151,7 @@ def _load_and_generate(device: str) -> tuple[float, str]:
     """Load the default model, answer one chat turn greedily; return (load seconds, reply)."""
     import torch
 
-    from llamagym.loading import load_model_and_tokenizer
+    from llamagym.models.loading import load_model_and_tokenizer
 
     start = time.perf_counter()
     model, tokenizer = load_model_and_tokenizer(DEFAULT_MODEL, device=device)

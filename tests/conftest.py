@@ -9,8 +9,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 
-from llamagym.registry import MODELS  # noqa: E402
-from llamagym.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from llamagym.models.registry import MODELS  # noqa: E402
+from llamagym.models.tiny_random import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 
 torch.set_num_threads(1)  # two test processes on two cores must not fight over threads
 

@@ -1,7 +1,7 @@
 import gymnasium as gym
 import pytest
 
-from llamagym.actions import json_action, parse_action
+from llamagym.agent.parsing import json_action, parse_action
 
 
 def words(text):

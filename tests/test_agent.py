@@ -157,7 +157,7 @@ def test_jsonl_errors_name_the_line(model, tokenizer, lora_config, tmp_path, con
 
 
 def test_save_and_load_restore_the_policy_and_the_trainer(model, tokenizer, lora_config, tmp_path):
-    from llamagym.tiny import build_tiny_model
+    from llamagym.models.tiny_random import build_tiny_model
 
     agent = make_agent(model, tokenizer, lora_config)
     play(agent, CountingEnv(length=2), episodes=2)
@@ -206,7 +206,7 @@ def test_predict_acts_greedily_from_a_fresh_context_and_records_nothing(model, t
 def test_lora_layers_default_comes_from_the_models_registry_entry(model, tokenizer, lora_layers, adapted):
     import dataclasses
 
-    from llamagym.registry import get_model_spec
+    from llamagym.models.registry import get_model_spec
 
     model.llamagym_spec = dataclasses.replace(get_model_spec("tiny-random"), lora_layers=1)
     agent = ScriptedAgent(model, tokenizer, lora_layers=lora_layers)

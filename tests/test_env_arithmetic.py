@@ -9,7 +9,7 @@ import pytest
 from gymnasium.envs.registration import load_env_creator
 from gymnasium.utils.env_checker import check_env
 
-from llamagym.actions import parse_action
+from llamagym.agent.parsing import parse_action
 from llamagym.envs import AgentPolicy, TextPolicy
 from llamagym.envs import arithmetic as ar
 from llamagym.envs.suite import markov

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-from llamagym.actions import parse_action
+from llamagym.agent.parsing import parse_action
 from llamagym.envs import guess_number as gn
 from llamagym.envs.suite import markov
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-from llamagym.actions import parse_action
+from llamagym.agent.parsing import parse_action
 from llamagym.envs import tictactoe as ttt
 from llamagym.envs.suite import markov
 from llamagym.envs.tictactoe import GAME, TicTacToeAgent, TicTacToeEnv, evaluate, expert

@@ -5,9 +5,9 @@ import contextlib
 import pytest
 import torch
 
-from llamagym.policy import Policy
-from llamagym.rollout import Turn, collate, collate_scored
-from llamagym.tiny import build_tiny_model
+from llamagym.algos.rollout import Turn, collate, collate_scored
+from llamagym.models.policy import Policy
+from llamagym.models.tiny_random import build_tiny_model
 
 PROMPTS = [[257, 50, 51, 256, 259], [257, 52, 256, 258, 53, 256, 259], [257, 50, 51, 256, 259]]
 CANDIDATES = [[[60, 61, 256], [70, 256]], [[80, 256], [81, 82, 83, 256], [84, 256]], [[60, 61, 256], [70, 256]]]

@@ -9,7 +9,7 @@ import torch
 from peft import LoraConfig
 
 from llamagym import Agent, PPOConfig
-from llamagym.tiny import build_tiny
+from llamagym.models.tiny_random import build_tiny
 
 pytestmark = pytest.mark.slow
 

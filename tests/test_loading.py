@@ -11,8 +11,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import llamagym.loading as loading  # noqa: E402
-from llamagym.loading import (  # noqa: E402
+import llamagym.models.loading as loading  # noqa: E402
+from llamagym.models.loading import (  # noqa: E402
     CACHE_MARKER,
     ModelLoadError,
     cache_path_for,
@@ -21,8 +21,8 @@ from llamagym.loading import (  # noqa: E402
     load_model_and_tokenizer,
     save_to_cache,
 )
-from llamagym.registry import DEFAULT_MODEL, MODELS, PLAIN_CHAT_TEMPLATE, UnknownModelError  # noqa: E402
-from llamagym.tiny import TINY_CHAT_TEMPLATE, build_tiny  # noqa: E402
+from llamagym.models.registry import DEFAULT_MODEL, MODELS, PLAIN_CHAT_TEMPLATE, UnknownModelError  # noqa: E402
+from llamagym.models.tiny_random import TINY_CHAT_TEMPLATE, build_tiny  # noqa: E402
 
 
 @pytest.fixture
@@ -147,7 +147,7 @@ def test_tokenizer_without_template_or_pad_gets_fallbacks(tmp_path, caplog):
     path = tmp_path / "gpt2-style"  # the name matches the gpt2 family, which has a fallback template
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    with caplog.at_level(logging.WARNING, logger="llamagym.loading"):
+    with caplog.at_level(logging.WARNING, logger="llamagym.models.loading"):
         model, tokenizer = load_model_and_tokenizer(str(path), "cpu")
     assert tokenizer.chat_template == PLAIN_CHAT_TEMPLATE
     assert tokenizer.pad_token == tokenizer.eos_token == "<|end|>"

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
+from llamagym.algos.natural_gradient import RowGradients, natural_coefficients, natural_direction, subtract_flat
+from llamagym.algos.rollout import Episode, Turn, collate, collate_scored
+from llamagym.algos.trainer import PPOTrainer
 from llamagym.config import PPOConfig
-from llamagym.natural import RowGradients, natural_coefficients, natural_direction, subtract_flat
-from llamagym.policy import Policy
-from llamagym.rollout import Episode, Turn, collate, collate_scored
-from llamagym.tiny import build_tiny_model
-from llamagym.trainer import PPOTrainer
+from llamagym.models.policy import Policy
+from llamagym.models.tiny_random import build_tiny_model
 
 PROMPTS = [[257, 50, 51, 256, 259], [257, 52, 256, 258, 53, 256, 259], [257, 54, 256, 259]]
 CANDIDATES = [[[60, 61, 256], [70, 256]], [[80, 256], [81, 82, 83, 256], [84, 256]], [[60, 256], [61, 256]]]

@@ -2,8 +2,8 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from llamagym.policy import Policy
-from llamagym.rollout import Turn, collate
+from llamagym.algos.rollout import Turn, collate
+from llamagym.models.policy import Policy
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def test_reference_logits_equal_base_model_and_differ_outside(model, lora_config
 
 
 def test_reference_without_peft_adapter_is_the_untouched_base(tokenizer, batch):
-    from llamagym.tiny import build_tiny_model
+    from llamagym.models.tiny_random import build_tiny_model
 
     untouched = build_tiny_model(tokenizer, seed=0)
     policy = Policy(build_tiny_model(tokenizer, seed=0), LoraConfig(r=4, target_modules=["q_proj"], bias="none"))
@@ -86,7 +86,7 @@ def test_full_finetune_keeps_a_frozen_reference_copy(model, batch):
 
 
 def test_save_then_load_round_trips_adapter_and_value_head(tokenizer, lora_config, batch, tmp_path):
-    from llamagym.tiny import build_tiny_model
+    from llamagym.models.tiny_random import build_tiny_model
 
     policy = Policy(build_tiny_model(tokenizer), lora_config)
     with torch.no_grad():

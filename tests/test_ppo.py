@@ -1,4 +1,4 @@
-"""Golden values, identities and masking properties of the PPO math in `llamagym.ppo` (CPU, milliseconds)."""
+"""Golden values, identities and masking properties of the PPO math in `llamagym.algos.ppo` (CPU, milliseconds)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from llamagym.ppo import (
+from llamagym.algos.ppo import (
     AdaptiveKLController,
     FixedKLController,
     approx_kl,

@@ -8,8 +8,8 @@ from pathlib import Path
 import jinja2
 import pytest
 
-import llamagym.registry as registry
-from llamagym.registry import (
+import llamagym.models.registry as registry
+from llamagym.models.registry import (
     DEFAULT_MODEL,
     GENERIC_SPEC,
     MODELS,

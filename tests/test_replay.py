@@ -1,10 +1,10 @@
 import torch
 import torch.nn.functional as F
 
+from llamagym.algos.rollout import Episode, Turn, collate
+from llamagym.algos.sft_replay import SFTReplayBuffer, sft_loss
 from llamagym.config import ReplayConfig
-from llamagym.policy import Policy
-from llamagym.replay import SFTReplayBuffer, sft_loss
-from llamagym.rollout import Episode, Turn, collate
+from llamagym.models.policy import Policy
 
 
 def episode(ret, tag=0):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llamagym.checkpoint import MANIFEST, STATE_FILE, resolve_checkpoint
+from llamagym.agent.checkpoint import MANIFEST, STATE_FILE, resolve_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = "--model tiny-random --device cpu --precision fp32 --episodes 80 --num-envs 4 --batch-size 4"

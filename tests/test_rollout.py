@@ -1,6 +1,6 @@
 import torch
 
-from llamagym.rollout import Turn, collate, left_pad, minibatch_indices, select
+from llamagym.algos.rollout import Turn, collate, left_pad, minibatch_indices, select
 
 
 def test_response_mask_covers_exactly_the_response_tokens():

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from llamagym import ppo
+from llamagym.algos import ppo
+from llamagym.algos.rollout import Episode, Turn, collate, collate_scored
+from llamagym.algos.trainer import PPOTrainer
 from llamagym.config import PPOConfig
-from llamagym.policy import Policy
-from llamagym.rollout import Episode, Turn, collate, collate_scored
-from llamagym.trainer import PPOTrainer
+from llamagym.models.policy import Policy
 
 PROMPTS = [[257, 50, 51, 256, 259], [257, 52, 256, 258, 53, 256, 259]]
 CANDIDATES = [[[60, 61, 256], [70, 256]], [[80, 256], [81, 82, 83, 256], [84, 256]]]
@@ -39,8 +39,8 @@ def test_value_in_scoring_mode_is_read_at_the_last_prompt_token(model, lora_conf
 
 
 def test_greedy_choice_is_the_highest_likelihood_candidate(model, tokenizer, lora_config):
-    from llamagym.acting import Actor
-    from llamagym.chat import ChatFormatter
+    from llamagym.agent.chat import ChatFormatter
+    from llamagym.agent.choosing import Actor
 
     policy = Policy(model, lora_config)
     actor = Actor(policy, ChatFormatter(tokenizer), 256, {256}, {"max_new_tokens": 4, "temperature": 1.0})
@@ -72,7 +72,7 @@ def test_scored_turns_train_with_ratio_exactly_one_on_the_first_minibatch(model,
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_reusing_the_shared_prefix_cache_equals_the_uncached_forward(model, lora_config, precision):
-    from llamagym.acting import shared_prefix
+    from llamagym.agent.choosing import shared_prefix
 
     prompts = [[257, 50, 51, 52, 256, 258, 60, 256, 259], [257, 50, 51, 52, 256, 258, 61, 62, 63, 256, 259]]
     candidates = [CANDIDATES[0], CANDIDATES[1]]
@@ -89,7 +89,7 @@ def test_reusing_the_shared_prefix_cache_equals_the_uncached_forward(model, lora
 
 
 def test_shared_prefix_leaves_every_prompt_its_last_token():
-    from llamagym.acting import shared_prefix
+    from llamagym.agent.choosing import shared_prefix
 
     assert shared_prefix([[1, 2, 3], [1, 2, 3]]) == 2
     assert shared_prefix([[1, 2, 3], [1, 9, 3]]) == 1
@@ -97,8 +97,8 @@ def test_shared_prefix_leaves_every_prompt_its_last_token():
 
 
 def test_a_repeated_input_is_scored_once_per_policy_version(model, tokenizer, lora_config, monkeypatch):
-    from llamagym.acting import Actor
-    from llamagym.chat import ChatFormatter
+    from llamagym.agent.chat import ChatFormatter
+    from llamagym.agent.choosing import Actor
 
     policy = Policy(model, lora_config)
     actor = Actor(policy, ChatFormatter(tokenizer), 256, {256}, {"max_new_tokens": 4, "temperature": 1.0})

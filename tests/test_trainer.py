@@ -1,12 +1,12 @@
 import pytest
 import torch
 
-from llamagym import ppo
+from llamagym.algos import ppo
+from llamagym.algos.rollout import Episode, Turn
+from llamagym.algos.trainer import PPOTrainer
 from llamagym.config import PPOConfig, ReplayConfig
-from llamagym.policy import Policy
-from llamagym.rollout import Episode, Turn
-from llamagym.tiny import build_tiny_model
-from llamagym.trainer import PPOTrainer
+from llamagym.models.policy import Policy
+from llamagym.models.tiny_random import build_tiny_model
 
 
 def make_episodes(n=4, seed=0):
@@ -112,7 +112,7 @@ def test_the_first_skip_warns_once_with_the_batch_stats(model, lora_config, toke
     trainer = make_trainer(model, lora_config, tokenizer)
     episodes = make_episodes()
     episodes[0].turns[0].reward = float("nan")
-    with caplog.at_level("WARNING", logger="llamagym.trainer"):
+    with caplog.at_level("WARNING", logger="llamagym.algos.trainer"):
         stats = trainer.step(episodes)
     warnings = [r.getMessage() for r in caplog.records if "skipped an optimizer step" in r.getMessage()]
     assert stats["ppo/skipped_steps"] == 6 and len(warnings) == 1  # 2 epochs x 3 minibatches, one warning
@@ -160,7 +160,7 @@ def test_state_dict_round_trip_restores_counters_and_controller(model, lora_conf
 
 
 def test_micro_batches_accumulate_to_the_same_update_as_one_minibatch(tokenizer, lora_config):
-    from llamagym.tiny import build_tiny_model
+    from llamagym.models.tiny_random import build_tiny_model
 
     results = []
     for micro in (None, 1):
@@ -219,7 +219,7 @@ def repeated_episodes(scored: bool):
 
 @pytest.mark.parametrize("scored", [False, True])
 def test_repeated_inputs_are_computed_once_with_the_same_update(model, lora_config, tokenizer, monkeypatch, scored):
-    from llamagym import trainer as trainer_module
+    from llamagym.algos import trainer as trainer_module
 
     def run(share: bool):
         if not share:

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from llamagym import ppo
+from llamagym.algos import ppo
+from llamagym.algos.rollout import Episode, Turn, collate_scored
+from llamagym.algos.trainer import PPOTrainer
+from llamagym.algos.trust_region import TrustRegion, categorical_kl, next_start, step_scale
 from llamagym.config import PPOConfig
-from llamagym.policy import Policy
-from llamagym.rollout import Episode, Turn, collate_scored
-from llamagym.tiny import build_tiny_model
-from llamagym.trainer import PPOTrainer
-from llamagym.trust_region import TrustRegion, categorical_kl, next_start, step_scale
+from llamagym.models.policy import Policy
+from llamagym.models.tiny_random import build_tiny_model
 
 PROMPTS = [[257, 50, 51, 256, 259], [257, 52, 256, 258, 53, 256, 259], [257, 54, 256, 259]]
 CANDIDATES = [[[60, 61, 256], [70, 256]], [[80, 256], [81, 82, 83, 256], [84, 256]], [[60, 256], [61, 256]]]

@@ -10,11 +10,11 @@ to a relative 1e-4, so that another CPU's float32 kernels pass, while any change
 import pytest
 import torch
 
+from llamagym.algos.rollout import Episode, Turn
+from llamagym.algos.trainer import PPOTrainer
 from llamagym.config import PPOConfig
-from llamagym.policy import Policy
-from llamagym.rollout import Episode, Turn
-from llamagym.tiny import build_tiny_model
-from llamagym.trainer import PPOTrainer
+from llamagym.models.policy import Policy
+from llamagym.models.tiny_random import build_tiny_model
 
 
 def episodes(scored: bool, seed: int) -> list[Episode]:

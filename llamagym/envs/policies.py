@@ -19,8 +19,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from ..actions import parse_action
 from ..agent import Agent
+from ..agent.parsing import parse_action
 from .suite import Decide, Game, Path, freeze, get_game
 
 Message = dict[str, str]
@@ -63,7 +63,7 @@ class AgentPolicy(_Replayed):
 
     def __call__(self, paths: list[Path]) -> list[Any]:
         # Imported here: acting pulls in generation code that a text-only evaluation never needs.
-        from ..acting import decide
+        from ..agent.choosing import decide
 
         keys = [self._key(path) for path in paths]
         first = {}

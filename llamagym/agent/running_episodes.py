@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..algos.rollout import Episode
 from .chat import Message
-from .rollout import Episode
 
 
 @dataclass

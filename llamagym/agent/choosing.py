@@ -13,11 +13,11 @@ from typing import NamedTuple
 import torch
 from transformers import GenerationConfig
 
-from .actions import ParsedAction, parse_action
+from ..algos.rollout import collate_scored, left_pad
+from ..models.policy import Policy
 from .chat import ChatFormatter, Message
 from .demos import response_ids
-from .policy import Policy
-from .rollout import collate_scored, left_pad
+from .parsing import ParsedAction, parse_action
 
 logger = logging.getLogger(__name__)
 

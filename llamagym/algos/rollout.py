@@ -180,19 +180,6 @@ def select(batch, index: torch.Tensor):
     )
 
 
-def unbatch(space, observations) -> list:
-    """Split a vector env's batched observation into one observation per env (Tuple and Dict spaces nest)."""
-    name = type(space).__name__
-    if name == "Tuple":
-        parts = [unbatch(sub, batched) for sub, batched in zip(space.spaces, observations, strict=True)]
-        return [tuple(items) for items in zip(*parts, strict=True)]
-    if name == "Dict":
-        parts = {key: unbatch(sub, observations[key]) for key, sub in space.spaces.items()}
-        count = len(next(iter(parts.values()))) if parts else 0
-        return [{key: values[i] for key, values in parts.items()} for i in range(count)]
-    return list(observations)
-
-
 def minibatch_indices(n: int, size: int, generator: torch.Generator) -> list[torch.Tensor]:
     """A shuffled partition of range(n) into chunks of at most `size` (every index exactly once)."""
     order = torch.randperm(n, generator=generator)

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llamagym.devices import resolve_device, resolve_dtype
-from llamagym.registry import (
+from llamagym.models.devices import resolve_device, resolve_dtype
+from llamagym.models.registry import (
     DEFAULT_MODEL,
     GENERIC_SPEC,
     MODELS,
@@ -94,7 +94,7 @@ def load_model_and_tokenizer(
     if quant is not None or torch_device.type != "cpu":
         kwargs["device_map"] = {"": str(torch_device)}  # load straight onto the accelerator
     if kind == "tiny":
-        from llamagym.tiny import build_tiny
+        from llamagym.models.tiny_random import build_tiny
 
         model, tokenizer = build_tiny()
     elif kind == "gguf":

@@ -17,17 +17,17 @@ from typing import Any
 
 import torch
 
+from ..algos.rollout import Episode, Turn
+from ..algos.trainer import PPOTrainer
+from ..config import PPOConfig, ReplayConfig
+from ..models.devices import resolve_device
+from ..models.policy import Policy
+from ..models.registry import find_model_spec
 from . import demos
-from .acting import Actor, decide, eos_ids, generation_settings
 from .chat import ChatFormatter, Message
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import PPOConfig, ReplayConfig
-from .devices import resolve_device
-from .policy import Policy
-from .registry import find_model_spec
-from .rollout import Episode, Turn, unbatch
-from .slots import Slot
-from .trainer import PPOTrainer
+from .choosing import Actor, decide, eos_ids, generation_settings
+from .running_episodes import Slot
 
 ACTION_MODES = ("auto", "generate", "score")
 _FROM_CLASS = object()  # `context_turns` left out: the class attribute decides
@@ -358,7 +358,7 @@ class Agent(ABC):
     # ---- persistence -----------------------------------------------------------------------------------------
     def save(self, directory: str | Path, extra: dict | None = None) -> Path:
         """Write a crash-safe checkpoint: adapter, value head, optimizer, KL controller, replay buffer, counters,
-        running and untrained episodes, RNG states and `extra` (see `llamagym.checkpoint`)."""
+        running and untrained episodes, RNG states and `extra` (see `llamagym.agent.checkpoint`)."""
         return save_checkpoint(self, directory, extra)
 
     def load(self, directory: str | Path, restore_rng: bool = True, restore_episodes: bool = True) -> dict:
@@ -395,3 +395,16 @@ _EMPTY_USER: Message = {"role": "user", "content": ""}
 def _mean(values) -> float:
     values = list(values)
     return float(sum(values)) / len(values) if values else 0.0
+
+
+def unbatch(space, observations) -> list:
+    """Split a vector env's batched observation into one observation per env (Tuple and Dict spaces nest)."""
+    name = type(space).__name__
+    if name == "Tuple":
+        parts = [unbatch(sub, batched) for sub, batched in zip(space.spaces, observations, strict=True)]
+        return [tuple(items) for items in zip(*parts, strict=True)]
+    if name == "Dict":
+        parts = {key: unbatch(sub, observations[key]) for key, sub in space.spaces.items()}
+        count = len(next(iter(parts.values()))) if parts else 0
+        return [{key: values[i] for key, values in parts.items()} for i in range(count)]
+    return list(observations)

@@ -24,11 +24,10 @@ from contextlib import nullcontext
 
 import torch
 
+from ..config import PPOConfig, ReplayConfig
+from ..models.policy import Policy
 from . import ppo
-from .config import PPOConfig, ReplayConfig
-from .natural import RowGradients, natural_direction, subtract_flat
-from .policy import Policy
-from .replay import SFTReplayBuffer, sft_loss
+from .natural_gradient import RowGradients, natural_direction, subtract_flat
 from .rollout import (
     Episode,
     ScoreBatch,
@@ -40,6 +39,7 @@ from .rollout import (
     prompt_batch,
     select,
 )
+from .sft_replay import SFTReplayBuffer, sft_loss
 from .trust_region import TrustRegion, categorical_kl
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from collections import deque
 
 import torch
 
-from .config import ReplayConfig
+from ..config import ReplayConfig
 from .ppo import masked_mean
 from .rollout import Episode, Turn
 

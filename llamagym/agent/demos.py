@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .actions import parse_action
+from ..algos.rollout import Episode, Turn
 from .chat import ChatFormatter, Message
-from .rollout import Episode, Turn
+from .parsing import parse_action
 
 
 def response_ids(formatter: ChatFormatter, messages: list[Message], prompt: list[int], eos_ids: set[int]) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 import tempfile
@@ -18,11 +19,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .slots import episodes_state, load_episodes_state
+from .running_episodes import episodes_state, load_episodes_state
 
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
-FORMAT = 1  # bump when a checkpoint written by this version can no longer be read by older ones
+FORMAT = 2  # bump when a checkpoint written by this version can no longer be read by older ones
+# 2: llamagym 0.3 moved modules into agent/, algos/ and models/; format-1 checkpoints pickled their episodes under
+# the old module names, which loading maps to the new ones
+MOVED_MODULES = {"llamagym.rollout": "llamagym.algos.rollout", "llamagym.slots": "llamagym.agent.running_episodes"}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        return super().find_class(MOVED_MODULES.get(module, module), name)
+
+
+class _RenamingPickle:  # the pickle module `torch.load` is given: the standard one, with moved modules renamed
+    Unpickler = _Unpickler
+    load = staticmethod(lambda file, **kwargs: _Unpickler(file, **kwargs).load())
 
 
 class CheckpointError(RuntimeError):
@@ -44,7 +58,7 @@ def save_checkpoint(agent, directory: str | Path, extra: dict | None = None) -> 
     """Write the agent's adapter, value head, trainer state (optimizer, KL controller, replay buffer, counters),
     its running episodes and the finished ones not yet trained on, the global RNG states and `extra` (anything
     picklable the caller needs to resume, e.g. the envs and their observations) into `directory`."""
-    from . import __version__
+    from .. import __version__
 
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -107,7 +121,7 @@ def load_checkpoint(agent, directory: str | Path, restore_rng: bool = True, rest
             )
     try:
         agent.policy.load(directory)
-        state = torch.load(directory / STATE_FILE, weights_only=False)
+        state = torch.load(directory / STATE_FILE, weights_only=False, pickle_module=_RenamingPickle)
         agent.trainer.load_state_dict(state["trainer"])
     except (OSError, RuntimeError, ValueError, KeyError, EOFError) as exc:
         raise CheckpointError(f"{directory} could not be loaded: {exc}") from exc

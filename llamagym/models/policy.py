@@ -21,11 +21,11 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..algos.ppo import entropy_from_logits, logprobs_from_logits
+from ..algos.rollout import ScoreBatch
 from .devices import resolve_precision
-from .frozen import FrozenLayerCache, frozen_prefix_layers, probe
-from .ppo import entropy_from_logits, logprobs_from_logits
+from .frozen_cache import FrozenLayerCache, frozen_prefix_layers, probe
 from .registry import GENERIC_SPEC, ModelSpec
-from .rollout import ScoreBatch
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 POLICY_META_FILE = "policy.json"
