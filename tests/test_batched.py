@@ -99,3 +99,22 @@ def test_batched_observations_of_a_tuple_space_are_split_per_env(tokenizer, lora
     agent.format_observation = lambda observation: f"{observation[0]}-{observation[1]}"
     agent.act_batch(batched, space=space)
     assert [s.history[0]["content"] for s in agent.slots] == ["3-5", "4-6"]
+
+
+def test_ended_episodes_summarize_each_episode_the_last_call_ended(tokenizer, lora_config):
+    agent = make_agent(tokenizer, lora_config, format_penalty=0.5)
+    agent.extract_action = lambda response: None  # every reply invalid: the fallback is played, 0.5 is subtracted
+    envs = [LengthEnv(n) for n in (1, 2)]
+    observations = [env.reset()[0] for env in envs]
+    ended, stats = [], {}
+    for _ in range(2):
+        agent.act_batch(observations)
+        results = [env.step(0) for env in envs]
+        agent.assign_rewards([r[1] for r in results])
+        stats = agent.end_episodes([r[2] for r in results])
+        ended.append([(e.env, e.episode_return, e.length, e.invalid_rate) for e in agent.ended_episodes])
+        observations = [env.reset()[0] if r[2] else r[0] for env, r in zip(envs, results, strict=True)]
+    assert ended == [[(0, 0.5, 1, 1.0)], [(0, 0.5, 1, 1.0), (1, 0.5 + 1.5, 2, 1.0)]]
+    assert stats["env/return"] == (0.5 + 2.0) / 2 and stats["env/length"] == 1.5 and stats["env/episodes"] == 2
+    agent.act_batch(observations)
+    assert agent.abort_episodes() == 2 and all(not s.episode.turns for s in agent.slots)  # None: every env's

@@ -33,6 +33,16 @@ ACTION_MODES = ("auto", "generate", "score")
 _FROM_CLASS = object()  # `context_turns` left out: the class attribute decides
 
 
+@dataclasses.dataclass(frozen=True)
+class EpisodeSummary:
+    """What a training loop reports of one ended episode (see `Agent.ended_episodes`)."""
+
+    env: int  # the env's index in `act_batch` (0 for the single-env loop)
+    episode_return: float  # the sum of its rewards (any format penalties included)
+    length: int  # its turns
+    invalid_rate: float  # the fraction of its replies that named no valid action (the fallback was played)
+
+
 class Agent(ABC):
     """An LLM agent that learns online with PPO. Subclass it and implement the three hooks.
 
@@ -133,6 +143,7 @@ class Agent(ABC):
         self.action_mode = action_mode
         self.greedy = False
         self.batch: list[Episode] = []
+        self.ended_episodes: list[EpisodeSummary] = []  # see end_episodes
         self.episode_count = 0
         self.slots: list[Slot] = []
         self._ensure_slots(1)  # slot 0 is the single-env loop's
@@ -225,13 +236,14 @@ class Agent(ABC):
             actions[i] = d.parsed.action
         return actions
 
-    def abort_episodes(self, mask) -> int:
-        """Discard the running episodes of the slots where `mask` is true (see `abort_episode`).
+    def abort_episodes(self, mask=None) -> int:
+        """Discard the running episodes of the slots where `mask` is true, or of every slot when `mask` is None
+        (e.g. games still running when the loop stops, or after a resume without the envs; see `abort_episode`).
 
         Returns how many of them had recorded turns (the ones whose data was thrown away).
         """
         discarded = 0
-        for i, abort in enumerate(mask):
+        for i, abort in enumerate([True] * len(self.slots) if mask is None else mask):
             if abort and i < len(self.slots):
                 discarded += bool(self.slots[i].episode.turns)
                 self.slots[i] = self._new_slot()
@@ -276,12 +288,13 @@ class Agent(ABC):
         """End the episodes of the slots where `dones` is true; train when the batch is full.
 
         Returns the mean `env/return`, `env/length` and `agent/invalid_action_rate` of the episodes that ended
-        (with `env/episodes` their count), plus the training stats when an update ran.
+        (with `env/episodes` their count), plus the training stats when an update ran. Each ended episode's own
+        numbers are then in `ended_episodes`: one `EpisodeSummary` each, in env order, until the next call.
         """
         dones = [bool(d) for d in dones]
         truncated = [False] * len(dones) if truncated is None else [bool(t) for t in truncated]
         finals = list(final_observations) if final_observations is not None else [None] * len(dones)
-        ended = []
+        summaries = []
         for i in (i for i, done in enumerate(dones) if done):
             slot = self._slot(i)
             episode, turns = slot.episode, slot.episode.turns
@@ -291,15 +304,16 @@ class Agent(ABC):
                 episode.bootstrap_prompt_ids, _ = self.formatter.prompt_ids(
                     self.get_system_prompt(), [*slot.history, message]
                 )
-            ended.append(episode)
+            summaries.append(EpisodeSummary(i, episode.env_return, len(turns), _mean(not t.valid for t in turns)))
             self.slots[i] = self._new_slot()
             if turns and not self.greedy:
                 self.batch.append(episode)
+        self.ended_episodes = summaries
         stats = {
-            "env/return": _mean(e.env_return for e in ended),
-            "env/length": _mean(len(e.turns) for e in ended),
-            "agent/invalid_action_rate": _mean(_mean(not t.valid for t in e.turns) for e in ended),
-            "env/episodes": float(len(ended)),
+            "env/return": _mean(s.episode_return for s in summaries),
+            "env/length": _mean(s.length for s in summaries),
+            "agent/invalid_action_rate": _mean(s.invalid_rate for s in summaries),
+            "env/episodes": float(len(summaries)),
         }
         if len(self.batch) >= self.ppo_config.batch_size:
             stats.update(self.train())
