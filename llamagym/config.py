@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 ADVANTAGE_SCALES = ("batch", "returns", "none")
+LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "dr_grpo")
 
 
 def _check(ok: bool, name: str, value, accepted: str) -> None:
@@ -49,7 +50,13 @@ class PPOConfig:
     ppo_epochs: int = 2  # passes over the batch per update
     gamma: float = 1.0  # discount across the turns of an episode
     lam: float = 0.95  # GAE lambda (1 = Monte-Carlo return, 0 = one-step TD)
+    advantage: str = "gae"  # advantage estimator (llamagym.algos.estimators): gae (value head), or critic-free grpo,
+    # rloo, rebn, gigpo; those ignore whiten_advantages (they center their own), the value head still trains
+    group_std_scaling: bool = True  # grpo/gigpo: divide by the group's return std (False = Dr.GRPO's unscaled)
     clip_coef: float = 0.2  # PPO ratio clip range
+    clip_coef_high: float | None = None  # upper clip 1 + clip_coef_high (DAPO's clip-higher); None = clip_coef
+    loss_aggregation: str = "token_mean"  # policy loss over tokens: token_mean, sequence_mean (each reply weighs
+    # the same) or dr_grpo (token sum / the batch's longest reply)
     vf_clip_coef: float | None = None  # value clip range around the old value (None = unclipped)
     vf_coef: float = 0.5  # weight of the value loss
     value_refit: float | None = 1.0  # after each update refit the value head by ridge regression on the batch's
@@ -80,6 +87,8 @@ class PPOConfig:
     max_skipped_steps: int = 10  # optimizer steps skipped in a row (non-finite loss/gradient) before the run stops
 
     def __post_init__(self) -> None:
+        from .algos import estimators  # here, not at the top: the config alone stays importable without torch
+
         positive = (lambda v: _num(v) and v > 0, "a number > 0")
         unit = (lambda v: _num(v) and 0 <= v <= 1, "in the interval [0, 1]")
         non_negative = (lambda v: _num(v) and v >= 0, "a number >= 0")
@@ -95,7 +104,14 @@ class PPOConfig:
                 "ppo_epochs": count,
                 "gamma": unit,
                 "lam": unit,
+                "advantage": (
+                    lambda v: v in estimators.names(),
+                    f"one of {', '.join(estimators.names())} (llamagym.algos.estimators)",
+                ),
+                "group_std_scaling": (lambda v: isinstance(v, bool), "True or False"),
                 "clip_coef": positive,
+                "clip_coef_high": (lambda v: v is None or (_num(v) and v > 0), "None or a number > 0"),
+                "loss_aggregation": (lambda v: v in LOSS_AGGREGATIONS, f"one of {', '.join(LOSS_AGGREGATIONS)}"),
                 "vf_clip_coef": (lambda v: v is None or (_num(v) and v > 0), "None or a number > 0"),
                 "vf_coef": non_negative,
                 "value_refit": (lambda v: v is None or (_num(v) and v > 0), "None or a number > 0"),

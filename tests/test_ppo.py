@@ -11,6 +11,7 @@ from torch.testing import assert_close
 from llamagym.algos.ppo import (
     AdaptiveKLController,
     FixedKLController,
+    aggregate_loss,
     approx_kl,
     entropy_from_logits,
     explained_variance,
@@ -284,6 +285,45 @@ def test_policy_loss_gradient_is_zero_only_when_clipped_on_the_adverse_side(adva
     loss.backward()
     assert (logprobs.grad.abs().item() == 0) == zero_grad
     assert clipfrac.item() == float(abs(math.exp(log_ratio) - 1) > 0.2)
+
+
+def test_policy_loss_clip_higher_widens_only_the_upper_bound():
+    # ratios 1.5, 0.5, 1.25 with A = 1, -1, 1; ε = 0.2, ε_high = 0.28: per-token losses max(-A r, -A clip(r)) are
+    # -min(1.5, 1.28) = -1.28, max(0.5, 0.8) = 0.8, -1.25 (inside [0.8, 1.28]); symmetric: -1.2, 0.8, -1.2
+    logprobs = torch.tensor([math.log(1.5), math.log(0.5), math.log(1.25)], dtype=T64)
+    advantages, mask = torch.tensor([1.0, -1.0, 1.0], dtype=T64), torch.ones(3, dtype=T64)
+    loss, clipfrac = policy_loss(logprobs, torch.zeros(3, dtype=T64), advantages, mask, 0.2, clip_coef_high=0.28)
+    assert loss.item() == pytest.approx((-1.28 + 0.8 - 1.25) / 3)
+    assert clipfrac.item() == pytest.approx(2 / 3)  # 1.25 is no longer clipped
+    loss, clipfrac = policy_loss(logprobs, torch.zeros(3, dtype=T64), advantages, mask, 0.2)
+    assert loss.item() == pytest.approx((-1.2 + 0.8 - 1.2) / 3) and clipfrac.item() == 1.0
+
+
+# two replies, on-policy (per-token loss -A): row 0 has 3 tokens with A = 1, 2, 3, row 1 one token with A = 6
+AGG_ADV = torch.tensor([[1.0, 2.0, 3.0], [6.0, 99.0, 99.0]])
+AGG_MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+
+
+@pytest.mark.parametrize(
+    "how, max_length, expected",
+    [
+        ("token_mean", None, -(1 + 2 + 3 + 6) / 4),  # every token weighs the same
+        ("sequence_mean", None, (-2 - 6) / 2),  # reply means -2 and -6, then their mean
+        ("dr_grpo", 3, (-6 - 6) / 2 / 3),  # reply sums -6 and -6 over the constant 3, then their mean
+        ("dr_grpo", 4, (-6 - 6) / 2 / 4),  # the constant is the batch's longest reply, maybe not in this minibatch
+    ],
+)
+def test_policy_loss_aggregations_golden_values(how, max_length, expected):
+    logprobs = torch.zeros(2, 3)
+    loss, _ = policy_loss(logprobs, logprobs.clone(), AGG_ADV, AGG_MASK, 0.2, aggregation=how, max_length=max_length)
+    assert loss.item() == pytest.approx(expected)
+
+
+def test_aggregate_loss_rejects_an_unknown_kind_and_dr_grpo_without_a_length():
+    with pytest.raises(ValueError, match="one of token_mean, sequence_mean, dr_grpo. Received 'sum'"):
+        aggregate_loss(AGG_ADV, AGG_MASK, "sum")
+    with pytest.raises(ValueError, match="needs `max_length` >= 1"):
+        aggregate_loss(AGG_ADV, AGG_MASK, "dr_grpo")
 
 
 def test_policy_loss_ignores_huge_values_under_mask_zero():

@@ -3,7 +3,7 @@ import torch
 
 from llamagym.algos import ppo
 from llamagym.algos.rollout import Episode, Turn
-from llamagym.algos.trainer import PPOTrainer
+from llamagym.algos.trainer import PPOTrainer, _loss_options, distinct_inputs, distinct_prompts, episode_groups
 from llamagym.config import PPOConfig, ReplayConfig
 from llamagym.models.policy import Policy
 from llamagym.models.tiny_random import build_tiny_model
@@ -56,9 +56,9 @@ def test_first_minibatch_ratio_is_exactly_one(model, lora_config, tokenizer, mon
     seen = []
     original = ppo.policy_loss
 
-    def spy(logprobs, old_logprobs, advantages, mask, clip_coef):
+    def spy(logprobs, old_logprobs, advantages, mask, clip_coef, **options):
         seen.append((logprobs.detach().clone(), old_logprobs.clone(), mask.clone()))
-        return original(logprobs, old_logprobs, advantages, mask, clip_coef)
+        return original(logprobs, old_logprobs, advantages, mask, clip_coef, **options)
 
     monkeypatch.setattr(ppo, "policy_loss", spy)
     trainer = make_trainer(model, lora_config, tokenizer, precision, ppo_epochs=1, mini_batch_size=64)
@@ -87,14 +87,14 @@ def test_bootstrap_on_truncation_only(model, lora_config, tokenizer, truncated, 
     with torch.no_grad():
         trainer.policy.value_head.linear.bias.fill_(1.0)  # V(s) = 1 everywhere
     episode = Episode([Turn([1, 2, 3], [4, 5], reward=0.0)], truncated=truncated, bootstrap_prompt_ids=[1, 2, 6])
-    advantages, returns = trainer._advantages([episode], torch.zeros(1), torch.ones(1))
+    advantages, returns, _ = trainer._advantages([episode], torch.zeros(1), torch.ones(1))
     assert advantages.tolist() == [expected]  # terminated: 0 - V = -1; truncated: 0 + V(next) - V = 0
 
 
 def test_credit_reaches_earlier_turns_through_gae(model, lora_config, tokenizer):
     trainer = make_trainer(model, lora_config, tokenizer, gamma=1.0, lam=1.0)
     episode = Episode([Turn([1, 2], [3]), Turn([1, 2, 3, 4], [5], reward=1.0)])
-    advantages, _ = trainer._advantages([episode], torch.tensor([0.0, 1.0]), torch.zeros(2))
+    advantages, _, _ = trainer._advantages([episode], torch.tensor([0.0, 1.0]), torch.zeros(2))
     assert advantages.tolist() == [1.0, 1.0]  # the final reward is the first turn's too, not split
 
 
@@ -159,15 +159,16 @@ def test_state_dict_round_trip_restores_counters_and_controller(model, lora_conf
     assert torch.equal(other.generator.get_state(), trainer.generator.get_state())
 
 
-def test_micro_batches_accumulate_to_the_same_update_as_one_minibatch(tokenizer, lora_config):
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "dr_grpo"])
+def test_micro_batches_accumulate_to_the_same_update_as_one_minibatch(tokenizer, lora_config, aggregation):
     from llamagym.models.tiny_random import build_tiny_model
 
-    results = []
+    results, options = [], {"loss_aggregation": aggregation}
     for micro in (None, 1):
         torch.manual_seed(0)
         trainer = PPOTrainer(
             Policy(build_tiny_model(tokenizer), lora_config),
-            PPOConfig(mini_batch_size=6, micro_batch_size=micro, ppo_epochs=1, learning_rate=1e-2),
+            PPOConfig(mini_batch_size=6, micro_batch_size=micro, ppo_epochs=1, learning_rate=1e-2, **options),
             tokenizer.pad_token_id,
         )
         stats = trainer.step(make_episodes())
@@ -247,3 +248,65 @@ def test_repeated_inputs_are_computed_once_with_the_same_update(model, lora_conf
         torch.testing.assert_close(param, alone[name], rtol=1e-5, atol=1e-6, msg=name)
     for key in ("ppo/policy_loss", "ppo/value_loss", "ppo/entropy"):
         assert shared_stats[key] == pytest.approx(alone_stats[key], rel=1e-4, abs=1e-6)
+
+
+# ---- advantage estimators and loss options in the trainer ----------------------------------------------------------
+
+
+def test_episode_groups_are_the_first_prompt_unless_a_group_is_given():
+    a, b = Turn([1, 2], [3]), Turn([4, 5], [6])
+    episodes = [Episode([a]), Episode([b]), Episode([a, b]), Episode([a], group="x"), Episode([b], group="x")]
+    assert episode_groups(episodes).tolist() == [0, 1, 0, 2, 2]
+
+
+def test_step_keys_are_prompts_whatever_the_reply():
+    turns = [Turn([1, 2], [3]), Turn([1, 2], [4]), Turn([5], [3])]
+    assert distinct_prompts(turns).tolist() == [0, 0, 1]
+    assert distinct_inputs(turns).tolist() == [0, 1, 2]  # the model inputs differ by reply
+
+
+def test_grpo_in_the_trainer_groups_episodes_by_first_prompt_and_is_not_whitened(model, lora_config, tokenizer):
+    trainer = make_trainer(model, lora_config, tokenizer, advantage="grpo", group_std_scaling=False)
+    same, other = [1, 2, 3], [7, 8]
+    episodes = [Episode([Turn(same, [4], r)]) for r in (1.0, 0.0, 0.0, 1.0)] + [Episode([Turn(other, [4], 5.0)])]
+    advantages, returns, stats = trainer._advantages(episodes, torch.tensor([1.0, 0.0, 0.0, 1.0, 5.0]), torch.zeros(5))
+    assert advantages.tolist() == [0.5, -0.5, -0.5, 0.5, 0.0]  # the lone episode is a group of one
+    assert stats == {"adv/groups": 2.0, "adv/zero_variance_groups": 1.0}
+    result = trainer.step(episodes)
+    assert result["adv/zero_variance_groups"] == 1.0 and result["adv/raw_std"] == pytest.approx(0.4472, abs=1e-4)
+    assert "adv/equal_returns" not in result
+
+
+def test_critic_free_estimators_skip_the_bootstrap_forward(model, lora_config, tokenizer, monkeypatch):
+    trainer = make_trainer(model, lora_config, tokenizer, advantage="rloo")
+    monkeypatch.setattr(trainer.policy, "forward", lambda *a, **k: pytest.fail("no forward pass expected"))
+    episode = Episode([Turn([1, 2, 3], [4, 5], reward=1.0)], truncated=True, bootstrap_prompt_ids=[1, 2, 6])
+    advantages, returns, _ = trainer._advantages([episode, episode], torch.tensor([1.0, 0.0]), torch.zeros(2))
+    assert advantages.tolist() == [1.0, -1.0] and returns.tolist() == [1.0, 0.0]  # no bootstrap added
+
+
+@pytest.mark.parametrize("advantage", ["gae", "grpo", "rloo", "rebn", "gigpo"])
+def test_every_estimator_runs_a_finite_update_that_moves_the_adapter(model, lora_config, tokenizer, advantage):
+    trainer = make_trainer(model, lora_config, tokenizer, advantage=advantage, clip_coef_high=0.28)
+    before = [p.detach().clone() for p in trainer.policy.trainable_parameters()]
+    episodes = make_episodes(6)
+    for episode in episodes:
+        episode.group = 0  # one group: rewards 0 and 1 alternate
+    stats = trainer.step(episodes)
+    assert all(torch.isfinite(torch.tensor(v)) for v in stats.values())
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policy.trainable_parameters(), strict=True))
+    assert (advantage == "gae") == ("adv/zero_variance_groups" not in stats)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ({}, {}),
+        ({"clip_coef_high": 0.28}, {"clip_coef_high": 0.28}),
+        ({"loss_aggregation": "sequence_mean"}, {"aggregation": "sequence_mean", "max_length": 3}),
+        ({"loss_aggregation": "dr_grpo"}, {"aggregation": "dr_grpo", "max_length": 3}),
+    ],
+)
+def test_policy_loss_options_default_to_none_and_dr_grpo_uses_the_longest_reply(overrides, expected):
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.0]])
+    assert _loss_options(PPOConfig(**overrides), mask) == expected

@@ -118,24 +118,63 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k1") -> Tens
     raise ValueError(f"`kind` should be one of k1, k2, k3. Received {kind!r}.")
 
 
-def policy_loss(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_coef: float
-) -> tuple[Tensor, Tensor]:
-    """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347), a token-level masked mean.
+LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "dr_grpo")
 
-    L = mean_mask max(-A·r, -A·clip(r, 1 - ε, 1 + ε)),  r = exp(logprobs - old_logprobs),  ε = clip_coef.
+
+def aggregate_loss(losses: Tensor, mask: Tensor, how: str = "token_mean", max_length: int | None = None) -> Tensor:
+    """Reduce per-token losses (N, T) to a scalar over the masked tokens.
+
+    "token_mean": Σ mask·l / Σ mask (every token weighs the same, so long replies weigh more);
+    "sequence_mean": (1/N) Σ_i (Σ_t mask·l / Σ_t mask) (every reply weighs the same);
+    "dr_grpo": (1/N) Σ_i Σ_t mask·l / max_length, a constant normaliser (Dr.GRPO, arXiv:2503.20783), so a reply's
+    weight does not depend on its own length.
+
+    Raises:
+        ValueError: an unknown `how`, or "dr_grpo" without a `max_length` >= 1.
+    """
+    if how == "token_mean":
+        return masked_mean(losses, mask)
+    if how == "sequence_mean":
+        return masked_mean(losses, mask, dim=-1).mean()
+    if how == "dr_grpo":
+        if max_length is None or max_length < 1:
+            raise ValueError(f"dr_grpo aggregation needs `max_length` >= 1. Received {max_length!r}.")
+        return torch.where(mask.bool(), losses, 0.0).sum(-1).mean() / max_length
+    raise ValueError(f"`how` should be one of {', '.join(LOSS_AGGREGATIONS)}. Received {how!r}.")
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_coef: float,
+    clip_coef_high: float | None = None,
+    aggregation: str = "token_mean",
+    max_length: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347), by default a token-level masked mean.
+
+    l = max(-A·r, -A·clip(r, 1 - ε, 1 + ε_high)),  r = exp(logprobs - old_logprobs),  ε = clip_coef,
+    ε_high = clip_coef_high (DAPO's clip-higher, arXiv:2503.14476) or ε when None; L = `aggregate_loss(l, mask,
+    aggregation, max_length)`.
 
     Args:
         logprobs, old_logprobs, advantages, mask: same shape, e.g. (B, T).
     Returns:
-        loss: scalar. clipfrac: scalar, fraction of masked tokens with |r - 1| > ε (no grad).
+        loss: scalar. clipfrac: scalar, token mean of r outside [1 - ε, 1 + ε_high] (no grad).
     """
     keep = mask.bool()
     ratio = torch.where(keep, logprobs - old_logprobs, 0.0).exp()  # exp of a huge padded log-ratio would be inf
     advantages = torch.where(keep, advantages, 0.0)
-    losses = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1.0 - clip_coef, 1.0 + clip_coef))
-    clipfrac = masked_mean(((ratio.detach() - 1.0).abs() > clip_coef).to(ratio.dtype), mask)
-    return masked_mean(losses, mask), clipfrac
+    high = clip_coef if clip_coef_high is None else clip_coef_high
+    losses = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1.0 - clip_coef, 1.0 + high))
+    if clip_coef_high is None:
+        clipped = (ratio.detach() - 1.0).abs() > clip_coef
+    else:
+        clipped = (ratio.detach() > 1.0 + high) | (ratio.detach() < 1.0 - clip_coef)
+    clipfrac = masked_mean(clipped.to(ratio.dtype), mask)
+    return aggregate_loss(losses, mask, aggregation, max_length), clipfrac
 
 
 def value_loss(

@@ -36,6 +36,8 @@ class Episode:
     truncated: bool = False
     bootstrap_prompt_ids: list[int] | None = None  # the prompt of the state after the last turn (truncation only)
     is_demo: bool = False  # a demonstration (JSONL or scripted expert), not the policy's own play
+    group: int | str | None = None  # the episode's group for group-relative advantages (grpo, rloo, gigpo); None =
+    # the episodes whose first prompt is the same form one group
 
     @property
     def env_return(self) -> float:

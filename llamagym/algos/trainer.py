@@ -4,7 +4,9 @@ What one action, one reward and one value are (docs/design.md §3):
 1. One action = one assistant turn (a sampled reply).
 2. The state value V(s) is read by the value head at the last prompt token of the turn.
 3. The turn reward = env reward - kl_coef * (summed per-token KL of the reply to the reference policy).
-4. GAE (gamma, lam) runs across the turns of an episode; bootstrap from V(next state) only on truncation.
+4. GAE (gamma, lam) runs across the turns of an episode; bootstrap from V(next state) only on truncation. Or
+   another advantage estimator (`PPOConfig.advantage`, see `estimators.py`): critic-free ones compare an episode's
+   return with its group's (episodes with the same first prompt, or the same `Episode.group`).
 5. The turn's advantage is broadcast over its response tokens in a masked, token-level clipped PPO loss.
 
 Two KLs, never mixed up: `kl_ref` (policy vs reference, in the reward, adaptive coefficient) and `approx_kl`
@@ -26,7 +28,7 @@ import torch
 
 from ..config import PPOConfig, ReplayConfig
 from ..models.policy import Policy
-from . import ppo
+from . import estimators, ppo
 from .natural_gradient import RowGradients, natural_direction, subtract_flat
 from .rollout import (
     Episode,
@@ -73,6 +75,8 @@ class PPOTrainer:
         else:
             self.kl_controller = ppo.FixedKLController(config.kl_coef)
         self.replay = SFTReplayBuffer(replay_config) if replay_config is not None else None
+        self.estimator = estimators.get_estimator(config.advantage)  # `needs_value`: gae; whitened (see `step`)
+        self._loss_options: dict = {}  # this update's options of `ppo.policy_loss` (see `_loss_options`)
         # natural-gradient steps (see `natural`): per-input gradients of the policy loss, solved for jointly, move
         # the adapter; the value head keeps its AdamW step on the value loss, which no longer reaches the adapter
         self.lm_params = lm_params
@@ -113,6 +117,7 @@ class PPOTrainer:
         # Minibatches: a natural step solves over every distinct input at once, so it takes the whole batch; an AdamW
         # step is one small move, so plain steps take several per epoch (generate mode learned with 8-turn ones).
         size = cfg.mini_batch_size or (len(turns) if self._natural else PLAIN_MINI_BATCH)
+        self._loss_options = _loss_options(cfg, mask)
         plans = [minibatch_indices(len(turns), size, self.generator) for _ in range(cfg.ppo_epochs)]
 
         # 1. old log-probs and values (and, scoring, the old distributions over candidates), reference log-probs
@@ -129,11 +134,12 @@ class PPOTrainer:
         env_rewards = torch.tensor([t.reward for t in turns], dtype=torch.float32, device=mask.device)
         rewards = env_rewards - self.kl_controller.value * kl_ref
 
-        # 3. GAE across the turns of each episode (bootstrap on truncation only)
-        advantages, returns = self._advantages(episodes, rewards, old_values)
+        # 3. advantages: GAE across the turns of each episode (bootstrap on truncation only), or the configured
+        #    estimator; critic-free ones center (and scale) their own advantages, so only value-based ones are whitened
+        advantages, returns, estimator_stats = self._advantages(episodes, rewards, old_values)
         self.return_moments.update(returns)
-        spread = {"adv/raw_std": _std(advantages), "adv/return_std": _std(returns)}
-        if cfg.whiten_advantages and len(turns) >= 2:
+        spread = {"adv/raw_std": _std(advantages), "adv/return_std": _std(returns), **estimator_stats}
+        if self.estimator.needs_value and cfg.whiten_advantages and len(turns) >= 2:
             if spread["adv/return_std"] <= 1e-6 * (1.0 + float(returns.abs().max())):
                 # every action led to the same return: nothing says one was better, and what A = R - V holds is
                 # the value head's error, which whitening would blow up into full-size steps (a solved policy
@@ -331,13 +337,18 @@ class PPOTrainer:
             token_share, row_share = part_mask.sum() / total_tokens, len(part) / total_rows
             part_advantages = advantages[part].unsqueeze(-1).expand_as(old)
             surrogate = _surrogate(logprobs.detach(), old, part_advantages, part_mask)
-            pg_loss, clipfrac = ppo.policy_loss(logprobs, old, part_advantages, part_mask, cfg.clip_coef)
+            pg_loss, clipfrac = ppo.policy_loss(
+                logprobs, old, part_advantages, part_mask, cfg.clip_coef, **self._loss_options
+            )
             v_loss, v_clipfrac = ppo.value_loss(
                 values, old_values[part], returns[part], torch.ones_like(values), cfg.vf_clip_coef
             )
             entropy = ppo.masked_mean(entropy, part_mask)
             approx_kl = ppo.approx_kl(logprobs, old, part_mask)
-            loss = (pg_loss - cfg.ent_coef * entropy) * token_share + cfg.vf_coef * v_loss * row_share
+            # a per-reply aggregation is a mean over rows: its micro-batch weighs by its share of the rows
+            pg_share = token_share if cfg.loss_aggregation == "token_mean" else row_share
+            pg_term = pg_loss if cfg.loss_aggregation == "token_mean" else pg_loss * (row_share / token_share)
+            loss = (pg_term - cfg.ent_coef * entropy) * token_share + cfg.vf_coef * v_loss * row_share
             if not self._backward(loss):  # the per-input gradients are recorded by hooks set in the forward pass
                 return None
             if rows is not None:
@@ -345,7 +356,7 @@ class PPOTrainer:
                 self._row_targets.append(targets)
                 filled += len(targets)
             for key, value, share in (
-                ("ppo/policy_loss", pg_loss, token_share),
+                ("ppo/policy_loss", pg_loss, pg_share),
                 ("ppo/value_loss", v_loss, row_share),
                 ("ppo/entropy", entropy, token_share),
                 ("ppo/approx_kl", approx_kl, token_share),
@@ -387,36 +398,38 @@ class PPOTrainer:
         self.policy.version += 1
 
     @torch.no_grad()
-    def _advantages(self, episodes: list[Episode], rewards: torch.Tensor, values: torch.Tensor):
-        """GAE per episode over its turns; truncated episodes bootstrap from V of their next prompt."""
-        bootstrap = {}
-        truncated = [i for i, e in enumerate(episodes) if e.truncated and e.bootstrap_prompt_ids]
-        if truncated:
-            prompts = prompt_batch(
-                [episodes[i].bootstrap_prompt_ids for i in truncated], self.pad_token_id, self.policy.device
-            )
-            boot_values = self.policy(*prompts).values
-            bootstrap = dict(zip(truncated, boot_values, strict=True))
-        advantages, returns, offset = torch.zeros_like(rewards), torch.zeros_like(rewards), 0
-        for i, episode in enumerate(episodes):
-            n = len(episode.turns)
-            dones = torch.zeros(n, device=rewards.device)
-            if episode.truncated and i not in bootstrap:  # truncated without a next state: bootstrap from V(s_T-1)
-                bootstrap[i] = values[offset + n - 1]
-            if not episode.truncated:
-                dones[-1] = 1.0
-            last_value = bootstrap.get(i, torch.zeros((), device=rewards.device))
-            adv, ret = ppo.gae(
-                rewards[offset : offset + n],
-                values[offset : offset + n],
-                dones,
-                last_value,
-                self.config.gamma,
-                self.config.lam,
-            )
-            advantages[offset : offset + n], returns[offset : offset + n] = adv, ret
-            offset += n
-        return advantages, returns
+    def _advantages(self, episodes: list[Episode], rewards: torch.Tensor, values: torch.Tensor) -> estimators.Estimate:
+        """The configured estimator's (advantages, returns, stats) over the batch's turns (`PPOConfig.advantage`).
+
+        Value-based estimators (gae) get the bootstrap values of truncated episodes: V of their next prompt, or of
+        their last state when they have none. Every estimator gets each episode's group (`episode_groups`) and each
+        turn's step key, an id of its prompt (`distinct_prompts`).
+        """
+        device, cfg = rewards.device, self.config
+        counts = torch.tensor([len(e.turns) for e in episodes])
+        bootstrap = None
+        if self.estimator.needs_value:
+            bootstrap = torch.zeros(len(episodes), device=device)
+            truncated = [i for i, e in enumerate(episodes) if e.truncated and e.bootstrap_prompt_ids]
+            if truncated:
+                prompts = prompt_batch(
+                    [episodes[i].bootstrap_prompt_ids for i in truncated], self.pad_token_id, self.policy.device
+                )
+                bootstrap[truncated] = self.policy(*prompts).values.to(bootstrap.dtype)
+            last = (counts.cumsum(0) - 1).tolist()
+            for i, episode in enumerate(episodes):
+                if episode.truncated and not episode.bootstrap_prompt_ids:  # no next state: bootstrap from V(s_T-1)
+                    bootstrap[i] = values[last[i]]
+        batch = estimators.AdvantageBatch(
+            rewards=rewards,
+            episode=torch.repeat_interleave(torch.arange(len(episodes)), counts).to(device),
+            terminal=torch.tensor([not e.truncated for e in episodes], device=device),
+            group=episode_groups(episodes).to(device),
+            values=values,
+            bootstrap=bootstrap,
+            step_key=distinct_prompts([turn for episode in episodes for turn in episode.turns]).to(device),
+        )
+        return self.estimator(batch, cfg.gamma, cfg.lam, cfg.group_std_scaling)
 
     def _backward(self, loss: torch.Tensor) -> bool:
         """Accumulate the gradient of `loss`; a non-finite loss clears the accumulated gradients instead."""
@@ -550,6 +563,34 @@ def distinct_inputs(turns: list[Turn]) -> torch.Tensor:
         reply = tuple(map(tuple, turn.candidates)) if turn.candidates is not None else tuple(turn.response_ids)
         numbered.append(ids.setdefault((tuple(turn.prompt_ids), reply), len(ids)))
     return torch.tensor(numbered, dtype=torch.long)
+
+
+def distinct_prompts(turns: list[Turn]) -> torch.Tensor:
+    """(N,) id of each turn's prompt (the state it acted in), numbered by first appearance: gigpo's step key.
+
+    Unlike `distinct_inputs` the reply is left out: turns that answered the same prompt differently share an id.
+    """
+    ids: dict[tuple, int] = {}
+    return torch.tensor([ids.setdefault(tuple(turn.prompt_ids), len(ids)) for turn in turns], dtype=torch.long)
+
+
+def episode_groups(episodes: list[Episode]) -> torch.Tensor:
+    """(E,) group id of each episode, numbered by first appearance: its `group` when set, else its first prompt
+    (episodes that start from the same observation form one group, as GRPO's samples of one question do)."""
+    ids: dict[tuple, int] = {}
+    keys = [("group", e.group) if e.group is not None else ("prompt", tuple(e.turns[0].prompt_ids)) for e in episodes]
+    return torch.tensor([ids.setdefault(key, len(ids)) for key in keys], dtype=torch.long)
+
+
+def _loss_options(config: PPOConfig, mask: torch.Tensor) -> dict:
+    """`ppo.policy_loss`'s keyword options that differ from its defaults (clip-higher, the loss aggregation)."""
+    options: dict = {}
+    if config.clip_coef_high is not None:
+        options["clip_coef_high"] = config.clip_coef_high
+    if config.loss_aggregation != "token_mean":
+        options["aggregation"] = config.loss_aggregation
+        options["max_length"] = int(mask.sum(-1).max())  # Dr.GRPO's constant: the batch's longest reply
+    return options
 
 
 def _row_gradients(policy: Policy, lm_params: list, natural_gradient: bool | None) -> RowGradients | None:
