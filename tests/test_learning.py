@@ -1,7 +1,9 @@
 """Reward goes up: PPO on the tiny model learns a bandit, and credit flows back across turns.
 
 "Action 1" is a reply that starts with an ASCII letter (about 21% of the tiny model's first tokens at the start),
-any other reply is action 0. Each test takes a few seconds on one core.
+any other reply is action 0. Each test takes a few seconds on one core. The bandit and the credit test run with
+every advantage estimator: all episodes start from the same observation, so a batch is one group for grpo, rloo and
+gigpo (the default grouping by first prompt).
 """
 
 import pytest
@@ -14,6 +16,7 @@ from llamagym.models.tiny_random import build_tiny
 pytestmark = pytest.mark.slow
 
 BATCH, UPDATES = 16, 40
+ESTIMATORS = ["gae", "grpo", "rloo", "rebn", "gigpo"]
 
 
 class LetterAgent(Agent):
@@ -27,7 +30,7 @@ class LetterAgent(Agent):
         return 1 if response[:1].isascii() and response[:1].isalpha() else 0
 
 
-def make_agent(max_new_tokens=1):
+def make_agent(max_new_tokens=1, advantage="gae"):
     torch.manual_seed(0)
     model, tokenizer = build_tiny(seed=0)
     config = PPOConfig(
@@ -39,6 +42,7 @@ def make_agent(max_new_tokens=1):
         adaptive_kl=False,
         gamma=1.0,
         lam=0.95,
+        advantage=advantage,
     )
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], bias="none", lora_dropout=0.0)
     return LetterAgent(
@@ -64,16 +68,18 @@ def assert_learned(curve):
     assert last > 0.6 and last > chance + 0.3
 
 
-def test_one_step_bandit_reward_rises_well_above_chance():
+@pytest.mark.parametrize("advantage", ESTIMATORS)
+def test_one_step_bandit_reward_rises_well_above_chance(advantage):
     def episode(agent):
         reward = float(agent.act("go") == 1)
         agent.assign_reward(reward)
         return reward
 
-    assert_learned(run(make_agent(), episode))
+    assert_learned(run(make_agent(advantage=advantage), episode))
 
 
-def test_final_reward_teaches_the_first_turns_choice():
+@pytest.mark.parametrize("advantage", ESTIMATORS)
+def test_final_reward_teaches_the_first_turns_choice(advantage):
     def episode(agent):
         first = agent.act("first")
         agent.assign_reward(0.0)  # no reward yet: only the end of the episode says whether turn 1 was right
@@ -81,7 +87,7 @@ def test_final_reward_teaches_the_first_turns_choice():
         agent.assign_reward(float(first == 1))
         return float(first == 1)
 
-    assert_learned(run(make_agent(), episode))
+    assert_learned(run(make_agent(advantage=advantage), episode))
 
 
 class NamedAgent(LetterAgent):
