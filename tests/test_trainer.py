@@ -310,3 +310,17 @@ def test_every_estimator_runs_a_finite_update_that_moves_the_adapter(model, lora
 def test_policy_loss_options_default_to_none_and_dr_grpo_uses_the_longest_reply(overrides, expected):
     mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.0]])
     assert _loss_options(PPOConfig(**overrides), mask) == expected
+
+
+@pytest.mark.parametrize(
+    "field, value, accepted",
+    [
+        ("clip_coef_high", 0.0, "None or a number > 0"),
+        ("loss_aggregation", "sum", "one of token_mean, sequence_mean, dr_grpo"),
+        ("group_std_scaling", 1, "True or False"),
+        ("advantage", "ppo", "one of gae, grpo, rloo, rebn, gigpo"),
+    ],
+)
+def test_new_config_fields_are_validated_with_a_message_naming_them(field, value, accepted):
+    with pytest.raises(ValueError, match=rf"`{field}` should be {accepted}.*Received {value!r}"):
+        PPOConfig(**{field: value})

@@ -2,6 +2,7 @@
 
 - `rollout.py`          turns and episodes, and their padded tensors (the seam between the agent and the trainer)
 - `ppo.py`              PPO math as pure tensor functions: log-probs, GAE, KL estimators, clipped losses
+- `estimators.py`       advantage estimators by name (gae, grpo, rloo, rebn, gigpo) and their registry
 - `trainer.py`          `PPOTrainer`: one update over a batch of episodes (advantages, epochs, value refit, SFT)
 - `natural_gradient.py` natural-gradient steps over the batch's distinct inputs
 - `trust_region.py`     the KL trust region every step is checked against (TRPO's line search)
