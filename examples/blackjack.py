@@ -16,10 +16,7 @@ Continue a stopped or killed run:        python examples/blackjack.py --seed 0 -
 import argparse
 import json
 import math
-import os
 import random
-import time
-from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -38,6 +35,7 @@ from llamagym.envs.blackjack import (
 from llamagym.envs.blackjack_plot import plot_blackjack_policy
 from llamagym.evaluation import sampled_return, save_json
 from llamagym.plots import plot_learning_curve
+from llamagym.run_log import RunLog
 
 
 def parse_args():
@@ -116,32 +114,10 @@ def evaluate(agent, args, output_dir, returns, name="eval"):
     return result
 
 
-def log_update(metrics, run, stats: dict) -> None:
-    """One metrics.jsonl line per update (flushed, so a killed run keeps it), and W&B when it is on."""
-    metrics.write(json.dumps(stats) + "\n")
-    metrics.flush()
-    if run is not None:
-        run.log(stats, step=stats["update"])
-
-
-def main():
-    args = parse_args()
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint = output_dir / "checkpoint"
-
-    run = None
-    if args.wandb or os.environ.get("WANDB_PROJECT"):
-        import wandb  # only when asked for; WANDB_MODE=offline/disabled is honoured by wandb itself
-
-        run = wandb.init(project=os.environ.get("WANDB_PROJECT", "llamagym"), config=vars(args))
-
+def make_agent(args) -> BlackjackAgent:
+    """The model of `--model` with a LoRA adapter, and PPO settings of the README's measured runs."""
     model, tokenizer = load_model_and_tokenizer(args.model, device=args.device)
-    env = gym.make("Blackjack-v1", natural=False, sab=False)
-    agent = BlackjackAgent(
+    return BlackjackAgent(
         model,
         tokenizer,
         ppo_config=PPOConfig(
@@ -176,109 +152,41 @@ def main():
         # the backward pass stops at the lowest adapted layer (a small model may have fewer than asked for)
         lora_layers=min(args.lora_layers, model.config.num_hidden_layers) or None,
         fallback_action=0,  # stick when a generated reply names no action
-        action_space=env.action_space,
+        action_space=gym.make("Blackjack-v1", natural=False, sab=False).action_space,
     )
 
-    returns, invalid, updates, elapsed, state = [], [], 0, 0.0, {}
-    if args.resume or args.eval_only:
-        if (checkpoint / "manifest.json").exists() or args.resume:
-            state = agent.load(checkpoint)
-            returns, invalid, updates, elapsed = state["returns"], state["invalid"], state["updates"], state["elapsed"]
-            print(f"resumed from {checkpoint}: {len(returns)} episodes, {updates} updates")
-    if args.eval_only:
-        result = evaluate(agent, args, output_dir, returns)
-        print(json.dumps(result["exact"], indent=2))
-        return
-    if not returns:
-        before = evaluate(agent, args, output_dir, returns, name="eval_before")["exact"]["expected_return"]
-        print(f"exact expected return before training: {before:+.4f}")
 
-    # ---- the RL loop: N envs side by side, one batched forward pass per step ----
-    if "envs" in state:  # exact resume: the envs mid-hand (with their RNGs), as the agent's running episodes left them
-        envs, observations, next_seed = state["envs"], state["observations"], state["next_seed"]
-    else:
-        agent.abort_episodes([True] * len(agent.slots))  # no envs to continue them with (a fresh run: a no-op)
-        envs = [gym.make("Blackjack-v1", natural=False, sab=False) for _ in range(min(args.num_envs, args.episodes))]
-        next_seed = args.seed * 10**7 + len(returns)
-        observations = []
-        for e in envs:
-            observations.append(e.reset(seed=next_seed)[0])
-            next_seed += 1
-    start = time.time() - elapsed
+def resume(agent, run, missing_ok: bool = False) -> dict:
+    """The loop's state from OUTPUT_DIR/checkpoint, the agent resumed with it; {} if there is none and `missing_ok`."""
+    state = run.load(agent, missing_ok=missing_ok)
+    if state:
+        print(f"resumed from {run.checkpoint}: {len(state.get('returns', []))} episodes, {run.updates} updates")
+    return state
 
-    def resume_state():  # besides the agent's own state, all the loop needs to continue exactly where it is
-        return {
-            "returns": returns,
-            "invalid": invalid,
-            "updates": updates,
-            "elapsed": time.time() - start,
-            "envs": envs,
-            "observations": observations,
-            "next_seed": next_seed,
-        }
 
-    # keep one metrics line per checkpointed update: lines logged after the checkpoint (a run killed before the
-    # next one) are dropped, as those updates run again
-    metrics_path = output_dir / "metrics.jsonl"
-    kept = metrics_path.read_text().splitlines()[:updates] if metrics_path.exists() else []
-    metrics_path.write_text("".join(line + "\n" for line in kept))
-    progress, stopped = tqdm(total=args.episodes, initial=len(returns), desc="blackjack"), False
-    with open(metrics_path, "a") as metrics:
-        while len(returns) < args.episodes:
-            actions = agent.act_batch(observations)
-            results = [e.step(a) for e, a in zip(envs, actions, strict=True)]
-            agent.assign_rewards([r[1] for r in results])
-            dones = [r[2] or r[3] for r in results]
-            for i, done in enumerate(dones):
-                if done:
-                    episode = agent.slots[i].episode
-                    returns.append(sum(t.reward for t in episode.turns))
-                    invalid.append(sum(not t.valid for t in episode.turns) / len(episode.turns))
-            stats = agent.end_episodes(dones, truncated=[r[3] and not r[2] for r in results])
-            for i, done in enumerate(dones):
-                observations[i] = results[i][0]
-                if done:
-                    observations[i] = envs[i].reset(seed=next_seed)[0]
-                    next_seed += 1
-            progress.update(sum(dones))
-            recent = returns[-200:]
-            progress.set_postfix(ret=f"{np.mean(recent):+.3f}", invalid=f"{np.mean(invalid[-200:]):.2f}")
+def envs_to_play(args, agent, state: dict, episodes_done: int):
+    """(envs, observations, next seed): the checkpoint's envs mid-hand, with their RNGs, as the agent's running
+    episodes left them (an exact resume); else new ones, reset with seeds from SEED * 10**7 + episodes_done."""
+    if "envs" in state:
+        return state["envs"], state["observations"], state["next_seed"]
+    agent.abort_episodes()  # no envs to continue the running episodes with (a fresh run: a no-op)
+    envs = [gym.make("Blackjack-v1", natural=False, sab=False) for _ in range(min(args.num_envs, args.episodes))]
+    seed = args.seed * 10**7 + episodes_done
+    return envs, [e.reset(seed=seed + i)[0] for i, e in enumerate(envs)], seed + len(envs)
 
-            if "ppo/policy_loss" in stats:
-                updates += 1
-                stats.update(
-                    update=updates,
-                    episodes=len(returns),
-                    elapsed_s=time.time() - start,
-                    running_return=float(np.mean(recent)),
-                )
-                if args.eval_every and updates % args.eval_every == 0:
-                    stats["eval/exact_return"] = exact_return(greedy_table(agent))["expected_return"]
-                    progress.write(
-                        f"update {updates}: exact return of the greedy policy {stats['eval/exact_return']:+.4f}"
-                    )
-                log_update(metrics, run, stats)
-                # checkpoint here, after the resets: envs, observations and running episodes agree
-                stopped = 0 < args.max_updates <= updates
-                if updates % args.checkpoint_every == 0 or stopped:
-                    agent.save(checkpoint, extra=resume_state())
-                if stopped:
-                    break
-        if not stopped and agent.batch:  # a last, partial batch (e.g. a 5-episode sanity run): trained on, logged
-            updates += 1
-            log_update(metrics, run, {**agent.train(), "update": updates, "episodes": len(returns)})
-    progress.close()
-    if stopped:
-        print(f"stopped after {updates} updates ({len(returns)} episodes); continue with --resume")
-        if run is not None:
-            run.finish()
-        return
 
-    wall = time.time() - start
-    agent.save(checkpoint, extra=resume_state())
-    result = evaluate(agent, args, output_dir, returns)
+def exact_eval(agent, every: int, update: int) -> dict:
+    """Every `every` updates (0 = never): the exact expected return of the greedy policy, as a metrics entry."""
+    if not every or update % every:
+        return {}
+    value = exact_return(greedy_table(agent))["expected_return"]
+    tqdm.write(f"update {update}: exact return of the greedy policy {value:+.4f}")
+    return {"eval/exact_return": value}
+
+
+def report(result, episodes: int, updates: int, wall: float, output_dir) -> None:
     exact = result["exact"]
-    print(f"episodes {len(returns)}, updates {updates}, wall {wall / 60:.1f} min")
+    print(f"episodes {episodes}, updates {updates}, wall {wall / 60:.1f} min")
     print(
         f"exact expected return of the greedy policy: {exact['expected_return']:+.4f} "
         f"(win {exact['win']:.1%}, draw {exact['draw']:.1%}, loss {exact['loss']:.1%})"
@@ -286,9 +194,61 @@ def main():
     for name, ref in result["references"].items():
         print(f"  reference {name:>15}: {ref['expected_return']:+.4f}")
     print(f"outputs in {output_dir}: metrics.jsonl, eval.json, learning_curve.png, policy.png, checkpoint/")
-    if run is not None:
-        run.log({"eval/exact_return": exact["expected_return"]})
-        run.finish()
+
+
+def main():
+    args = parse_args()
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    run = RunLog(args.output_dir, wandb=args.wandb, config=vars(args))
+    agent = make_agent(args)
+    state = resume(agent, run, missing_ok=not args.resume) if args.resume or args.eval_only else {}
+    returns, invalid = state.get("returns", []), state.get("invalid", [])  # per hand: its return, its invalid replies
+    if args.eval_only:
+        print(json.dumps(evaluate(agent, args, run.dir, returns)["exact"], indent=2))
+        return run.close()
+    if not returns:
+        before = evaluate(agent, args, run.dir, returns, name="eval_before")["exact"]["expected_return"]
+        print(f"exact expected return before training: {before:+.4f}")
+    envs, obs, next_seed = envs_to_play(args, agent, state, len(returns))
+
+    # ---- the RL loop: N envs side by side, one batched forward pass per step ----
+    run.start()
+    progress, stopped = tqdm(total=args.episodes, initial=len(returns), desc="blackjack"), False
+    while len(returns) < args.episodes and not stopped:
+        actions = agent.act_batch(obs)
+        results = [e.step(a) for e, a in zip(envs, actions, strict=True)]  # (obs, reward, terminated, truncated, info)
+        agent.assign_rewards([r[1] for r in results])
+        stats = agent.end_episodes([r[2] or r[3] for r in results], truncated=[r[3] and not r[2] for r in results])
+        returns += [e.episode_return for e in agent.ended_episodes]
+        invalid += [e.invalid_rate for e in agent.ended_episodes]
+        for i, (observation, _, terminated, truncated, _) in enumerate(results):
+            obs[i] = observation
+            if terminated or truncated:
+                obs[i], next_seed = envs[i].reset(seed=next_seed)[0], next_seed + 1
+        progress.update(len(agent.ended_episodes))
+
+        if "ppo/policy_loss" in stats:  # the batch was full: an update ran
+            stats.update(episodes=len(returns), running_return=float(np.mean(returns[-200:])))
+            stats.update(exact_eval(agent, args.eval_every, update=run.updates + 1))
+            run.log(stats)
+            progress.set_postfix(ret=f"{stats['running_return']:+.3f}", invalid=f"{np.mean(invalid[-200:]):.2f}")
+            stopped = 0 < args.max_updates <= run.updates
+            if run.updates % args.checkpoint_every == 0 or stopped:  # after the resets: envs and episodes agree
+                run.save(agent, returns=returns, invalid=invalid, envs=envs, observations=obs, next_seed=next_seed)
+    if not stopped and agent.batch:  # a last, partial batch (e.g. a 5-hand sanity run): trained on, logged
+        run.log({**agent.train(), "episodes": len(returns)})
+    progress.close()
+    if stopped:
+        print(f"stopped after {run.updates} updates ({len(returns)} episodes); continue with --resume")
+        return run.close()
+
+    wall = run.elapsed
+    run.save(agent, returns=returns, invalid=invalid, envs=envs, observations=obs, next_seed=next_seed)
+    result = evaluate(agent, args, run.dir, returns)
+    report(result, len(returns), run.updates, wall, run.dir)
+    run.close(final={"eval/exact_return": result["exact"]["expected_return"]})
 
 
 if __name__ == "__main__":
