@@ -18,11 +18,8 @@ does; the default (one room, "close the type J chest") is won by the untrained m
 
 import argparse
 import contextlib
-import json
-import os
 import random
 import re
-import time
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +30,7 @@ from tqdm import tqdm
 
 from llamagym import Agent, PPOConfig, load_model_and_tokenizer
 from llamagym.evaluation import save_json, summarize_returns
+from llamagym.run_log import RunLog
 
 INFOS = textworld.EnvInfos(
     admissible_commands=True, description=True, inventory=True, objective=True, won=True, lost=True, max_score=True
@@ -177,33 +175,11 @@ def evaluate(agent, env_id, args, output_dir, name, episodes_trained=0):
     return result
 
 
-def log_update(metrics, run, stats: dict) -> None:
-    """One metrics.jsonl line per update (flushed, so a killed run keeps it), and W&B when it is on."""
-    metrics.write(json.dumps(stats) + "\n")
-    metrics.flush()
-    if run is not None:
-        run.log(stats, step=stats["update"])
-
-
-def main():
-    args = parse_args()
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-
-    run = None
-    if args.wandb or os.environ.get("WANDB_PROJECT"):
-        import wandb  # only when asked for; WANDB_MODE=offline/disabled is honoured by wandb itself
-
-        run = wandb.init(project=os.environ.get("WANDB_PROJECT", "llamagym"), config=vars(args))
-
-    game_file = build_game(args, output_dir)
-    # textworld's own step limit stays out of the way: TextWorldEnv truncates, so won/lost and time-out differ
-    env_id = textworld.gym.register_game(str(game_file), INFOS, max_episode_steps=args.max_steps + 1)
+def make_agent(args) -> TextWorldAgent:
+    """The model of `--model` with a LoRA adapter, scoring the admissible commands, with the PPO settings of the
+    README's measured run."""
     model, tokenizer = load_model_and_tokenizer(args.model, device=args.device)
-    agent = TextWorldAgent(
+    return TextWorldAgent(
         model,
         tokenizer,
         ppo_config=PPOConfig(
@@ -229,62 +205,70 @@ def main():
         context_turns=args.context_turns,  # a short memory: the last command and what it did
         fallback_action="look",  # never used in scoring mode (every scored reply is a command)
     )
-    evaluate(agent, env_id, args, output_dir, "eval_before")
 
-    # ---- the RL loop: N games side by side, one batched forward pass per step ----
-    envs = [TextWorldEnv(env_id, args.max_steps) for _ in range(min(args.num_envs, args.episodes))]
-    observations = [e.reset()[0] for e in envs]
-    returns, wins, lengths, updates, start = [], [], [], 0, time.time()
-    progress = tqdm(total=args.episodes, desc="text-world")
-    with open(output_dir / "metrics.jsonl", "w") as metrics:
-        while len(returns) < args.episodes:
-            actions = agent.act_batch(observations)
-            results = [e.step(a) for e, a in zip(envs, actions, strict=True)]
-            agent.assign_rewards([r[1] for r in results])
-            dones = [r[2] or r[3] for r in results]
-            for (_, _, _, _, info), done in zip(results, dones, strict=True):
-                if done:
-                    returns.append(float(info["score"]))
-                    wins.append(info["won"])
-                    lengths.append(info["steps"])
-            stats = agent.end_episodes(
-                dones, truncated=[r[3] and not r[2] for r in results], final_observations=[r[0] for r in results]
-            )
-            for i, done in enumerate(dones):
-                observations[i] = envs[i].reset()[0] if done else results[i][0]
-            progress.update(min(sum(dones), args.episodes - progress.n))  # the last step may end a few more
-            if returns:
-                progress.set_postfix(win=f"{np.mean(wins[-40:]):.2f}", steps=f"{np.mean(lengths[-40:]):.1f}")
 
-            if "ppo/policy_loss" in stats:
-                updates += 1
-                stats.update(
-                    update=updates,
-                    episodes=len(returns),
-                    elapsed_s=time.time() - start,
-                    running_win_rate=float(np.mean(wins[-args.batch_size :])),
-                    running_steps=float(np.mean(lengths[-args.batch_size :])),
-                )
-                log_update(metrics, run, stats)
-        if agent.batch:  # a last, partial batch: trained on, and logged like the others
-            updates += 1
-            log_update(metrics, run, {**agent.train(), "update": updates, "episodes": len(returns)})
-    progress.close()
-    agent.abort_episodes([True] * len(agent.slots))  # games still running when the budget ran out
-    for e in envs:
-        e.close()
-
-    wall = time.time() - start
-    agent.save(output_dir / "checkpoint", extra={"args": vars(args), "game": str(game_file), "returns": returns})
-    result = evaluate(agent, env_id, args, output_dir, "eval", episodes_trained=len(returns))
-    print(f"episodes {len(returns)}, updates {updates}, wall {wall / 60:.1f} min")
+def report(wins: list[bool], updates: int, wall: float, output_dir) -> None:
+    print(f"episodes {len(wins)}, updates {updates}, wall {wall / 60:.1f} min")
     half = len(wins) // 2
     first, second = np.mean(wins[:half] or [0]), np.mean(wins[half:])
     print(f"training win rate: {first:.0%} in the first half, {second:.0%} in the second")
     print(f"outputs in {output_dir}: metrics.jsonl, eval_before.json, eval.json, checkpoint/, games/")
-    if run is not None:
-        run.log({"eval/greedy_won": float(result["greedy"]["won"])})
-        run.finish()
+
+
+def main():
+    args = parse_args()
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    run = RunLog(args.output_dir, wandb=args.wandb, config=vars(args))
+    game_file = build_game(args, run.dir)
+    # textworld's own step limit stays out of the way: TextWorldEnv truncates, so won/lost and time-out differ
+    env_id = textworld.gym.register_game(str(game_file), INFOS, max_episode_steps=args.max_steps + 1)
+    agent = make_agent(args)
+    evaluate(agent, env_id, args, run.dir, "eval_before")
+
+    # ---- the RL loop: N games side by side, one batched forward pass per step ----
+    envs = [TextWorldEnv(env_id, args.max_steps) for _ in range(min(args.num_envs, args.episodes))]
+    observations = [e.reset()[0] for e in envs]
+    returns, wins, lengths = [], [], []  # per episode: the game's score, whether it was won, its commands
+    run.start()
+    progress = tqdm(total=args.episodes, desc="text-world")
+    while len(returns) < args.episodes:
+        actions = agent.act_batch(observations)
+        results = [e.step(a) for e, a in zip(envs, actions, strict=True)]  # (obs, reward, terminated, truncated, info)
+        agent.assign_rewards([r[1] for r in results])
+        dones, truncated = [r[2] or r[3] for r in results], [r[3] and not r[2] for r in results]
+        stats = agent.end_episodes(dones, truncated=truncated, final_observations=[r[0] for r in results])
+        for i, (observation, _, _, _, info) in enumerate(results):
+            observations[i] = observation
+            if dones[i]:
+                returns.append(float(info["score"]))
+                wins.append(info["won"])
+                lengths.append(info["steps"])
+                observations[i] = envs[i].reset()[0]
+        progress.update(min(sum(dones), args.episodes - progress.n))  # the last step may end a few more
+        if returns:
+            progress.set_postfix(win=f"{np.mean(wins[-40:]):.2f}", steps=f"{np.mean(lengths[-40:]):.1f}")
+
+        if "ppo/policy_loss" in stats:  # the batch was full: an update ran
+            stats.update(
+                episodes=len(returns),
+                running_win_rate=float(np.mean(wins[-args.batch_size :])),
+                running_steps=float(np.mean(lengths[-args.batch_size :])),
+            )
+            run.log(stats)
+    if agent.batch:  # a last, partial batch: trained on, and logged like the others
+        run.log({**agent.train(), "episodes": len(returns)})
+    progress.close()
+    agent.abort_episodes()  # games still running when the budget ran out
+    for e in envs:
+        e.close()
+
+    wall = run.elapsed
+    run.save(agent, args=vars(args), game=str(game_file), returns=returns)
+    result = evaluate(agent, env_id, args, run.dir, "eval", episodes_trained=len(returns))
+    report(wins, run.updates, wall, run.dir)
+    run.close(final={"eval/greedy_won": float(result["greedy"]["won"])})
 
 
 if __name__ == "__main__":
