@@ -337,7 +337,7 @@ CASES = [
     row("checkpoint-wrong-model", lambda c: c.checkpoint(set_manifest(base_model="phi-2")),
         CheckpointError, "was trained on base model 'phi-2', but this agent uses"),
     row("checkpoint-newer-format", lambda c: c.checkpoint(set_manifest(format=99)),
-        CheckpointError, "this version reads format 1. Upgrade llamagym."),
+        CheckpointError, "this version reads format 2. Upgrade llamagym."),
 ]
 # fmt: on
 

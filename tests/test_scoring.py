@@ -118,3 +118,30 @@ def test_a_repeated_input_is_scored_once_per_policy_version(model, tokenizer, lo
     policy.version += 1  # the weights changed (an optimizer step or a load): the distributions are scored again
     actor.choose(prompts, candidates)
     assert scored_rows == [2, 2]
+
+
+def test_token_chunks_cut_in_order_within_the_budget():
+    from llamagym.agent.choosing import token_chunks
+
+    assert token_chunks([3, 4, 2, 9, 1], size=lambda n: n, budget=7) == [[3, 4], [2], [9], [1]]
+    assert token_chunks([], size=len, budget=5) == []
+
+
+def test_scoring_within_a_token_budget_gives_the_same_distributions(model, tokenizer, lora_config, monkeypatch):
+    from llamagym.agent.chat import ChatFormatter
+    from llamagym.agent.choosing import Actor
+
+    policy = Policy(model, lora_config, precision="fp32")
+    actor = Actor(policy, ChatFormatter(tokenizer), 256, {256}, {"max_new_tokens": 4, "temperature": 1.0})
+    actor.reuse_prefix = False
+    greedy = actor.choose(PROMPTS, CANDIDATES, greedy=True)
+    whole = [actor._scores[(tuple(p), tuple(map(tuple, c)))] for p, c in zip(PROMPTS, CANDIDATES, strict=True)]
+    scored_rows, score = [], policy.score
+    monkeypatch.setattr(
+        policy, "score", lambda batch, **k: scored_rows.append(len(batch.input_ids)) or score(batch, **k)
+    )
+    policy.version += 1
+    actor.score_tokens = 1  # one input per forward
+    assert actor.choose(PROMPTS, CANDIDATES, greedy=True) == greedy and scored_rows == [1] * len(PROMPTS)
+    for (p, c), expected in zip(zip(PROMPTS, CANDIDATES, strict=True), whole, strict=True):
+        torch.testing.assert_close(actor._scores[(tuple(p), tuple(map(tuple, c)))], expected, atol=1e-5, rtol=0)

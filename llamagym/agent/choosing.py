@@ -8,7 +8,8 @@ length-normalised log-likelihoods (every action is valid by construction, one fo
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from transformers import GenerationConfig
@@ -44,6 +45,9 @@ class Actor:
         self._candidate_cache: dict[str, list[int]] = {}
         self.reuse_prefix = True  # score the prompts' common prefix once per step (see Policy.score)
         self.score_cache_size = 65536  # distinct scored inputs remembered between weight updates
+        # candidate tokens per scoring forward: each costs a vocabulary-wide row of logits (49k floats for SmolLM2),
+        # so 64 prompts x 21 candidates in one pass took arithmetic's evaluation from 0.95 to 2.85 GiB
+        self.score_tokens = 1024
         self._scores: dict[tuple, torch.Tensor] = {}
         self._scores_stamp: tuple | None = None
 
@@ -89,11 +93,13 @@ class Actor:
             self._scores_stamp = stamp
         keys = [(tuple(p), tuple(map(tuple, c))) for p, c in zip(prompts, candidates, strict=True)]
         missing = list(dict.fromkeys(key for key in keys if key not in self._scores))
-        if missing:
-            todo = [list(key[0]) for key in missing]
+        if len(self._scores) + len(missing) > self.score_cache_size:
+            self._scores.clear()
+        for part in token_chunks(missing, lambda key: sum(map(len, key[1])), self.score_tokens):
+            todo = [list(key[0]) for key in part]
             batch = collate_scored(
                 todo,
-                [[list(c) for c in key[1]] for key in missing],
+                [[list(c) for c in key[1]] for key in part],
                 pad_token_id=self.pad_token_id,
                 device=self.policy.device,
             )
@@ -101,14 +107,26 @@ class Actor:
             reuse = self.reuse_prefix and len(todo) > 1 and self.policy.frozen_cache is None
             prefix = shared_prefix(todo) if reuse else 0
             logprobs = self.policy.score(batch, prefix=prefix).logprobs.float().cpu()
-            if len(self._scores) + len(missing) > self.score_cache_size:
-                self._scores.clear()
-            for key, row in zip(missing, logprobs, strict=True):
+            for key, row in zip(part, logprobs, strict=True):
                 self._scores[key] = row[: len(key[1])]
         rows = [self._scores[key] for key in keys]
         if greedy:
             return [int(row.argmax()) for row in rows]
         return [int(torch.multinomial(row.exp(), 1)) for row in rows]
+
+
+def token_chunks(items: list, size: Callable[[Any], int], budget: int) -> list[list]:
+    """`items` in order, cut into consecutive chunks of at most `budget` by `size` (an item larger than the budget
+    makes a chunk of its own)."""
+    chunks, total = [], 0
+    for item in items:
+        n = size(item)
+        if not chunks or total + n > budget:
+            chunks.append([])
+            total = 0
+        chunks[-1].append(item)
+        total += n
+    return chunks
 
 
 def shared_prefix(prompts: list[list[int]]) -> int:
