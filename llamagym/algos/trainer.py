@@ -6,8 +6,10 @@ What one action, one reward and one value are (docs/design.md §3):
 3. The turn reward = env reward - kl_coef * (summed per-token KL of the reply to the reference policy).
 4. GAE (gamma, lam) runs across the turns of an episode; bootstrap from V(next state) only on truncation. Or
    another advantage estimator (`PPOConfig.advantage`, see `estimators.py`): critic-free ones compare an episode's
-   return with its group's (episodes with the same first prompt, or the same `Episode.group`).
-5. The turn's advantage is broadcast over its response tokens in a masked, token-level clipped PPO loss.
+   return with its group's (episodes with the same first prompt, or the same `Episode.group`). The value head
+   still learns their returns-to-go (its loss and refit run as ever), though they do not read it.
+5. The turn's advantage is broadcast over its response tokens in a masked clipped PPO loss (a token mean, or
+   `PPOConfig.loss_aggregation`; clip-higher with `clip_coef_high`).
 
 Two KLs, never mixed up: `kl_ref` (policy vs reference, in the reward, adaptive coefficient) and `approx_kl`
 (new vs old policy within an update, for target-KL early stopping, checked before each optimizer step).
