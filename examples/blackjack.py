@@ -185,6 +185,7 @@ def exact_eval(agent, every: int, update: int) -> dict:
 
 
 def report(result, episodes: int, updates: int, wall: float, output_dir) -> None:
+    """The run in a few lines: its size, the greedy policy's exact return beside the references, its outputs."""
     exact = result["exact"]
     print(f"episodes {episodes}, updates {updates}, wall {wall / 60:.1f} min")
     print(

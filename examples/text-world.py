@@ -208,6 +208,7 @@ def make_agent(args) -> TextWorldAgent:
 
 
 def report(wins: list[bool], updates: int, wall: float, output_dir) -> None:
+    """The run in a few lines: its size, the training win rate in its first and second half, its outputs."""
     print(f"episodes {len(wins)}, updates {updates}, wall {wall / 60:.1f} min")
     half = len(wins) // 2
     first, second = np.mean(wins[:half] or [0]), np.mean(wins[half:])
