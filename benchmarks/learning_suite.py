@@ -38,7 +38,7 @@ THRESHOLDS = (0.5, 0.8)
 LOGGED = (
     "env/batch_return", "adv/return_std", "adv/raw_std", "adv/returns_running_std", "adv/equal_returns",
     "ppo/entropy", "ppo/approx_kl", "ppo/clipfrac", "ppo/value_loss", "ppo/explained_variance", "ppo/grad_norm",
-    "ppo/value_refit_ev", "trust/tries",
+    "ppo/value_refit_ev", "trust/tries", "adv/groups", "adv/zero_variance_groups", "adv/step_groups",
     "ppo/distinct_turns", "ppo/num_turns", "trust/kl", "trust/kl_max", "trust/scale", "trust/undone", "kl/ref",
     "time/update_s", "agent/batch_invalid_action_rate",
 )  # fmt: skip
@@ -52,6 +52,9 @@ def parse_args(argv=None):
     parser.add_argument("--budget", type=float, default=600.0, help="training seconds per run (evaluation excluded)")
     parser.add_argument("--eval-every", type=float, default=60.0, help="training seconds between evaluations")
     parser.add_argument("--num-envs", type=int, default=16, help="envs played side by side (one forward per step)")
+    parser.add_argument(
+        "--group-size", type=int, default=1, help="K envs start each episode from the same seed (GRPO-style groups)"
+    )
     parser.add_argument("--model", default="smollm2-135m-instruct", help="registry name, hub id or local path")
     parser.add_argument("--threads", type=int, default=2, help="torch threads per run")
     parser.add_argument("--ppo", nargs="*", default=[], metavar="KEY=VALUE", help="PPOConfig overrides")
@@ -68,6 +71,8 @@ def parse_args(argv=None):
     if bad:
         parser.error(f"--modes should name score and/or generate. Received {', '.join(bad)}.")
     args.seeds = [int(s) for s in args.seeds.split(",")]
+    if args.group_size < 1:
+        parser.error(f"--group-size should be an integer >= 1. Received {args.group_size}.")
     args.overrides = {"ppo": _pairs(parser, "--ppo", args.ppo), "agent": _pairs(parser, "--agent", args.agent)}
     from llamagym import PPOConfig
 
@@ -109,6 +114,14 @@ def peak_rss_gib() -> float:
     return peak / 2**30 if sys.platform == "darwin" else peak / 2**20
 
 
+def group_seed(run_seed: int, env: int, episode: int, num_envs: int, group_size: int) -> int:
+    """The seed of env `env`'s `episode`-th episode when envs play in groups of `group_size`: envs env // group_size
+    == g share it on their same-numbered episodes, so they start alike and form one group (the agent groups episodes
+    by their first observation); every (group, episode) pair gets its own seed."""
+    groups = -(-num_envs // group_size)
+    return run_seed * 1_000_003 + episode * groups + env // group_size
+
+
 def train(game_name: str, mode: str, seed: int, args) -> dict:
     """One run: the user's loop over N envs with the game's agent, exact evaluations on the way."""
     import random
@@ -147,11 +160,18 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
         return figures
 
     record()
-    next_seed = seed * 1_000_003
-    observations = []
-    for env in envs:
-        observations.append(env.reset(seed=next_seed)[0])
-        next_seed += 1
+    next_seed, played = seed * 1_000_003, [0] * len(envs)
+
+    def reset(i: int):
+        nonlocal next_seed
+        if args.group_size > 1:
+            episode_seed = group_seed(seed, i, played[i], len(envs), args.group_size)
+        else:  # one fresh seed per episode, in the order episodes start
+            episode_seed, next_seed = next_seed, next_seed + 1
+        played[i] += 1
+        return envs[i].reset(seed=episode_seed)[0]
+
+    observations = [reset(i) for i in range(len(envs))]
     update_s, invalid_train, log, last_eval = [], [], [], 0.0
     progress = tqdm(
         total=round(args.budget), desc=f"{game_name}/{mode}/seed {seed}", unit="s", leave=False, mininterval=5
@@ -168,8 +188,7 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
         for i, done in enumerate(dones):
             observations[i] = results[i][0]
             if done:
-                observations[i] = envs[i].reset(seed=next_seed)[0]
-                next_seed += 1
+                observations[i] = reset(i)
         clock["train"] += time.perf_counter() - start
         clock["episodes"] += sum(dones)
         if "ppo/policy_loss" in stats:
@@ -330,6 +349,7 @@ def main(argv=None):
         "model": args.model,
         "budget": f"{args.budget:g} training seconds per run, evaluation every {args.eval_every:g} s",
         "envs": args.num_envs,
+        "group_size": args.group_size,
         "overrides": args.overrides if any(args.overrides.values()) else "none (the defaults)",
     }
     print("\n".join(f"{k}: {v}" for k, v in header.items()), flush=True)

@@ -30,15 +30,35 @@ def test_quick_suite_trains_and_evaluates_every_game_in_both_modes(tmp_path):
     assert all((tmp_path / f"{game}.png").stat().st_size > 0 for game in suite.GAMES)
 
 
-def test_overrides_are_parsed_validated_and_reported():
+def load_benchmark():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import learning_suite
     finally:
         sys.path.pop(0)
+    return learning_suite
+
+
+def test_overrides_are_parsed_validated_and_reported():
+    learning_suite = load_benchmark()
     args = learning_suite.parse_args(["--quick", "--ppo", "learning_rate=1e-3", "whiten_advantages=False"])
     assert args.overrides["ppo"] == {"learning_rate": 1e-3, "whiten_advantages": False}
     with pytest.raises(SystemExit):
         learning_suite.parse_args(["--ppo", "learning_rate=-1"])
     with pytest.raises(SystemExit):
         learning_suite.parse_args(["--modes", "telepathy"])
+    with pytest.raises(SystemExit):
+        learning_suite.parse_args(["--group-size", "0"])
+
+
+def test_groups_of_envs_share_a_seed_per_episode_and_nothing_else_does():
+    group_seed = load_benchmark().group_seed
+    seeds = {
+        (env, episode): group_seed(3, env, episode, num_envs=5, group_size=2)
+        for env in range(5)
+        for episode in range(3)
+    }
+    for episode in range(3):
+        assert seeds[0, episode] == seeds[1, episode] and seeds[2, episode] == seeds[3, episode]
+    distinct = {(env // 2, episode) for env, episode in seeds}
+    assert len(set(seeds.values())) == len(distinct) == 9  # 3 groups (the last of one env) x 3 episodes
