@@ -70,6 +70,23 @@ class ScoreBatch(NamedTuple):
     choice: torch.Tensor  # (N,) index of the chosen candidate (0 when not chosen yet)
 
 
+class UpdateBatch(NamedTuple):
+    """One update's batch and everything the trainer computed for it, travelling as one bundle.
+
+    Built in stages by `PPOTrainer.step` (`_replace` fills the rest): first the collated turns, their input ids and
+    action mask, then the old policy's outputs, then the advantages and returns.
+    """
+
+    batch: TurnBatch | ScoreBatch  # the collated turns
+    groups: torch.Tensor  # (N,) id of each turn's model input: equal ids, equal outputs (`distinct_inputs`)
+    mask: torch.Tensor  # (N, T) float mask of the action log-probs (response tokens, or one slot per scored turn)
+    old_logprobs: torch.Tensor | None = None  # (N, T) the batch's policy's log-probs of the actions
+    old_values: torch.Tensor | None = None  # (N,) its values
+    old_dists: torch.Tensor | None = None  # (N, C) its log-probs of every candidate (scoring; else None)
+    advantages: torch.Tensor | None = None  # (N,)
+    returns: torch.Tensor | None = None  # (N,)
+
+
 def collate_scored(
     prompts: list[list[int]],
     candidates: list[list[list[int]]],

@@ -37,6 +37,7 @@ from .rollout import (
     ScoreBatch,
     Turn,
     TurnBatch,
+    UpdateBatch,
     collate,
     collate_turns,
     minibatch_indices,
@@ -112,8 +113,8 @@ class PPOTrainer:
         scoring = isinstance(batch, ScoreBatch)
         self._natural = self.row_gradients is not None and (scoring or cfg.natural_gradient is True)
         region = self.trust_region if scoring or cfg.max_kl_generate else None
-        groups = distinct_inputs(turns)
-        mask = _action_mask(batch)
+        data = UpdateBatch(batch, distinct_inputs(turns), _action_mask(batch))
+        mask = data.mask
         # Shuffles for every epoch are drawn up front: the old log-probs are computed on epoch 0's minibatches,
         # so the first minibatch repeats that exact forward and its ratio is exactly 1.
         # Minibatches: a natural step solves over every distinct input at once, so it takes the whole batch; an AdamW
@@ -124,12 +125,12 @@ class PPOTrainer:
 
         # 1. old log-probs and values (and, scoring, the old distributions over candidates), reference log-probs
         #    (no grad, dropout off)
-        old_logprobs, old_values, old_dists, features = self._score(batch, groups, plans[0], reference=False)
+        old_logprobs, old_values, old_dists, features = self._score(data, plans[0], reference=False)
         if self.kl_controller.value == 0 and not cfg.adaptive_kl:
             ref_logprobs = old_logprobs  # the KL term is off: skip the reference forward pass
         else:
             with self.policy.reference():
-                ref_logprobs = self._score(batch, groups, plans[0], reference=True)[0]
+                ref_logprobs = self._score(data, plans[0], reference=True)[0]
 
         # 2. per-turn rewards: env reward minus the KL penalty to the reference
         kl_ref = (ppo.kl_penalty(old_logprobs, ref_logprobs, cfg.kl_estimator) * mask).sum(dim=-1)
@@ -154,13 +155,20 @@ class PPOTrainer:
             f"batch of {len(turns)} turns: mean reward {float(env_rewards.mean()):.4g}, advantages in "
             f"[{float(advantages.min()):.4g}, {float(advantages.max()):.4g}], kl/ref {float(kl_ref.mean()):.4g}"
         )
+        data = data._replace(
+            old_logprobs=old_logprobs,
+            old_values=old_values,
+            old_dists=old_dists,
+            advantages=advantages,
+            returns=returns,
+        )
 
         # 4. epochs x minibatches (each accumulated over micro-batches), target-KL check before each step
         stats: dict[str, list[float]] = defaultdict(list)
         early_stopped, done = False, 0
         for plan in plans:
             for index in plan:
-                mb = self._minibatch_loss(batch, groups, index, old_logprobs, old_values, advantages, returns)
+                mb = self._minibatch_loss(data, index)
                 if mb is None:  # a non-finite loss: nothing was applied, the step is skipped
                     continue
                 if cfg.use_target_kl and ppo.kl_exceeded(mb["ppo/approx_kl"], cfg.target_kl):
@@ -170,9 +178,7 @@ class PPOTrainer:
                 if region is not None:
                     region.remember()
                 if self._step(stats) and region is not None:
-                    measure = functools.partial(
-                        self._measure, batch, groups, index, old_logprobs, old_dists, advantages, mb["ppo/surrogate"]
-                    )
+                    measure = functools.partial(self._measure, data, index, mb["ppo/surrogate"])
                     for key, value in region.enforce(measure, self._moved).items():
                         stats[f"trust/{key}"].append(value)
                 done += 1
@@ -210,7 +216,7 @@ class PPOTrainer:
                 "ppo/returns_mean": float(returns.mean()),
                 "ppo/values_mean": float(old_values.mean()),
                 "ppo/num_turns": float(len(turns)),
-                "ppo/distinct_turns": float(int(groups.max()) + 1),
+                "ppo/distinct_turns": float(int(data.groups.max()) + 1),
                 "ppo/num_updates": float(self.num_updates),
                 "ppo/step_scale": self.step_scale,
                 "kl/ref": mean_kl_ref,
@@ -241,7 +247,7 @@ class PPOTrainer:
                 cfg.anneal_updates,
             )
 
-    def _evaluate(self, batch, groups, part, with_entropy: bool = False, watch=None, reference: bool = False):
+    def _evaluate(self, data: UpdateBatch, part, with_entropy: bool = False, watch=None, reference: bool = False):
         """(log-probs, mask, values, entropy, distributions) of the actions of rows `part`, shaped (P, T); T = 1 in
         scoring mode, where the distributions are the (P, C) log-probs of every candidate (None when generating).
 
@@ -249,6 +255,7 @@ class PPOTrainer:
         Rows with the same model input (`groups`) are computed once and shared: the result is the same, the cost
         is that of the distinct inputs only. `watch` (a `RowGradients.watch`) is given the per-input outputs.
         """
+        batch, groups = data.batch, data.groups
         distinct, inverse = torch.unique(groups[part], return_inverse=True)
         first = torch.full((len(distinct),), len(part)).scatter_reduce(0, inverse, torch.arange(len(part)), "amin")
         rows = select(batch, part[first])
@@ -275,18 +282,19 @@ class PPOTrainer:
         return [index[(inverse >= lo) & (inverse < lo + size)] for lo in range(0, len(distinct), size)]
 
     @torch.no_grad()
-    def _score(self, batch, groups, plan: list[torch.Tensor], reference: bool):
+    def _score(self, data: UpdateBatch, plan: list[torch.Tensor], reference: bool):
         """Log-probs (N, T), values (N,), scoring the candidate distributions (N, C) (else None), and the value
         head's inputs (N, H) when `value_refit` asks for them (else None) of the whole batch, computed micro-batch
         by micro-batch as the first epoch will (so the first minibatch's ratio is exactly 1)."""
-        logprobs = torch.zeros_like(_action_mask(batch))
+        batch, groups = data.batch, data.groups
+        logprobs = torch.zeros_like(data.mask)
         values = torch.zeros(batch.input_ids.shape[0], device=logprobs.device)
         dists = features = None
         seen: list[torch.Tensor] = []
         keep = not reference and self.config.value_refit is not None
         hook = self.policy.value_head.register_forward_pre_hook(lambda _, args: seen.append(args[0])) if keep else None
         for part in (part for index in plan for part in self._micro(groups, index)):
-            mb_logprobs, _, mb_values, _, mb_dists = self._evaluate(batch, groups, part, reference=reference)
+            mb_logprobs, _, mb_values, _, mb_dists = self._evaluate(data, part, reference=reference)
             logprobs[part, : mb_logprobs.shape[1]] = mb_logprobs
             values[part] = mb_values
             if keep:  # the head saw each distinct input once: spread them back over the part's turns
@@ -317,13 +325,13 @@ class PPOTrainer:
         fitted = (features @ weight.T).squeeze(-1) + bias
         return float(ppo.explained_variance(fitted, returns, torch.ones_like(returns)))
 
-    def _minibatch_loss(self, batch, groups, index, old_logprobs, old_values, advantages, returns) -> dict | None:
+    def _minibatch_loss(self, data: UpdateBatch, index: torch.Tensor) -> dict | None:
         """Forward and backward one minibatch in micro-batches (gradients accumulate); returns its stats.
 
         Token means are weighted by each micro-batch's share of the minibatch's tokens (turn means by rows), so
         the accumulated gradient equals that of the whole minibatch at once.
         """
-        cfg, mask = self.config, _action_mask(batch)
+        cfg, mask, groups = self.config, data.mask, data.groups
         total_tokens, total_rows = mask[index].sum(), len(index)
         sums: dict[str, float] = defaultdict(float)
         rows = self.row_gradients if self._natural else None
@@ -334,16 +342,16 @@ class PPOTrainer:
         for part in self._micro(groups, index):
             with rows.recording() if rows is not None else nullcontext():
                 watch = rows.watch if rows is not None else None
-                logprobs, part_mask, values, entropy, _ = self._evaluate(batch, groups, part, True, watch=watch)
-            old = old_logprobs[part, : logprobs.shape[1]]
+                logprobs, part_mask, values, entropy, _ = self._evaluate(data, part, True, watch=watch)
+            old = data.old_logprobs[part, : logprobs.shape[1]]
             token_share, row_share = part_mask.sum() / total_tokens, len(part) / total_rows
-            part_advantages = advantages[part].unsqueeze(-1).expand_as(old)
+            part_advantages = data.advantages[part].unsqueeze(-1).expand_as(old)
             surrogate = _surrogate(logprobs.detach(), old, part_advantages, part_mask)
             pg_loss, clipfrac = ppo.policy_loss(
                 logprobs, old, part_advantages, part_mask, cfg.clip_coef, **self._loss_options
             )
             v_loss, v_clipfrac = ppo.value_loss(
-                values, old_values[part], returns[part], torch.ones_like(values), cfg.vf_clip_coef
+                values, data.old_values[part], data.returns[part], torch.ones_like(values), cfg.vf_clip_coef
             )
             entropy = ppo.masked_mean(entropy, part_mask)
             approx_kl = ppo.approx_kl(logprobs, old, part_mask)
@@ -371,7 +379,7 @@ class PPOTrainer:
         return dict(sums)
 
     @torch.no_grad()
-    def _measure(self, batch, groups, index, old_logprobs, old_dists, advantages, surrogate_before: float):
+    def _measure(self, data: UpdateBatch, index: torch.Tensor, surrogate_before: float):
         """How far the policy now is from the batch's old one on rows `index`: the mean and largest KL(old || new)
         per turn (exact over the candidates when scoring, the k3 estimate summed over the reply when generating),
         and whether the unclipped surrogate mean(ratio x advantage) did not fall below `surrogate_before`.
@@ -379,20 +387,19 @@ class PPOTrainer:
         "Below" allows 0.1% of the mean |advantage|: under bf16 a tiny step moves log-probs by rounding as much as
         by the step, and a stricter test rejected such steps at random, halving the step size each time.
         """
-        mask = _action_mask(batch)
-        kls, surrogate, tokens = [], 0.0, mask[index].sum()
-        for part in self._micro(groups, index):
-            logprobs, part_mask, _, _, dists = self._evaluate(batch, groups, part)
-            old = old_logprobs[part, : logprobs.shape[1]]
+        kls, surrogate, tokens = [], 0.0, data.mask[index].sum()
+        for part in self._micro(data.groups, index):
+            logprobs, part_mask, _, _, dists = self._evaluate(data, part)
+            old = data.old_logprobs[part, : logprobs.shape[1]]
             if dists is not None:
-                kls.append(categorical_kl(old_dists[part, : dists.shape[1]], dists))
+                kls.append(categorical_kl(data.old_dists[part, : dists.shape[1]], dists))
             else:
                 log_ratio = torch.where(part_mask.bool(), logprobs - old, 0.0)
                 kls.append(((torch.expm1(log_ratio) - log_ratio) * part_mask).sum(-1))
-            part_advantages = advantages[part].unsqueeze(-1).expand_as(old)
+            part_advantages = data.advantages[part].unsqueeze(-1).expand_as(old)
             surrogate += float(_surrogate(logprobs, old, part_advantages, part_mask) * part_mask.sum() / tokens)
         kl = torch.cat(kls)
-        tolerance = 1e-3 * float(advantages[index].abs().mean()) + 1e-7
+        tolerance = 1e-3 * float(data.advantages[index].abs().mean()) + 1e-7
         return float(kl.mean()), float(kl.max()), surrogate >= surrogate_before - tolerance
 
     def _moved(self) -> None:
