@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from llamagym.algos.natural_gradient import RowGradients, natural_coefficients, natural_direction, subtract_flat
+from llamagym.algos.natural_gradient import (
+    NaturalGradient,
+    RowGradients,
+    natural_coefficients,
+    natural_direction,
+    subtract_flat,
+)
 from llamagym.algos.rollout import Episode, Turn, collate, collate_scored
 from llamagym.algos.trainer import PPOTrainer
 from llamagym.config import PPOConfig
@@ -59,6 +65,45 @@ def test_hooked_per_row_gradients_equal_one_backward_per_row(model, lora_config,
     finite = torch.isfinite(out.logprobs)
     expected_t = (weights[:, : out.logprobs.shape[1]] * finite).pow(2).sum(-1) + (2 * (out.values - 0.5)).pow(2)
     torch.testing.assert_close(targets, expected_t.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_natural_gradient_optimizer_steps_by_the_solve_over_micro_batches_and_zero_grad_forgets():
+    torch.manual_seed(0)
+    body, head = torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)
+    adamw = torch.optim.AdamW([{"params": list(body.parameters())}, {"params": list(head.parameters())}], lr=0.1)
+    params = list(body.parameters())
+    optimizer = NaturalGradient(RowGradients(body, params), adamw, lr=0.5, damping=0.1, max_norm=10.0)
+    x = torch.randn(4, 3)
+
+    def losses(rows, watch=None):
+        out = body(rows)
+        if watch is not None:
+            watch(out)
+        return (out * torch.tensor([1.0, -2.0])).sum(-1) + head(out.detach()).squeeze(-1) ** 2
+
+    expected = torch.stack([flat_grad(loss, params) for loss in losses(x)])  # one per input, not recorded
+    before = [p.detach().clone() for p in (*params, *head.parameters())]
+    optimizer.zero_grad()
+    optimizer.expect(inputs=4, turns=4)
+    for part in (x[:3], x[3:]):  # two micro-batches fill one buffer
+        with optimizer.recording() as watch:
+            loss = losses(part, watch).sum()
+        loss.backward()
+    norm = optimizer.clip_grad_norm()
+    step, expected_norm = natural_direction(expected, torch.full((4,), 5.0), 0.1, 0.5 * 4, 10.0)
+    torch.testing.assert_close(norm, expected_norm, rtol=1e-5, atol=1e-6)
+    optimizer.step()
+    moved = torch.cat([(b - p.detach()).flatten() for b, p in zip(before[:2], params, strict=True)])
+    torch.testing.assert_close(moved, step, rtol=1e-5, atol=1e-6)  # the adapter moved by the solve alone
+    # the value head by its AdamW step
+    assert all(not torch.equal(b, p) for b, p in zip(before[2:], head.parameters(), strict=True))
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in (*params, *head.parameters()))
+    with optimizer.recording() as watch:
+        losses(x, watch).sum().backward()
+    optimizer.zero_grad()  # a skipped step: what was recorded is forgotten
+    with pytest.raises(RuntimeError, match="before a recorded forward"):
+        optimizer.rows.take()
 
 
 def test_natural_coefficients_golden_values_and_dead_rows():
@@ -165,7 +210,7 @@ def test_automatic_natural_gradient_is_on_for_lora_and_off_for_full_fine_tuning(
     lora = PPOTrainer(Policy(model, lora_config), PPOConfig(natural_gradient=None), tokenizer.pad_token_id)
     fresh = build_tiny_model(tokenizer, seed=0)  # get_peft_model wrapped the first one in place
     full = PPOTrainer(Policy(fresh, full_finetune=True), PPOConfig(natural_gradient=None), tokenizer.pad_token_id)
-    assert lora.row_gradients is not None and full.row_gradients is None
+    assert lora.natural is not None and full.natural is None
     assert lora.policy.value_head.detach_input and not full.policy.value_head.detach_input
 
 

@@ -183,14 +183,14 @@ def test_generate_mode_takes_plain_steps_without_the_noisy_bound_unless_asked(mo
     ]
     trainer = PPOTrainer(Policy(model, lora_config, precision="fp32"), PPOConfig(), tokenizer.pad_token_id)
     stats = trainer.step(episodes)  # the defaults: natural steps and the trust region are for scoring mode
-    assert not trainer._natural and "trust/kl" not in stats and "trust/scale" not in stats
+    assert trainer.policy_optimizer is trainer.optimizer and "trust/kl" not in stats and "trust/scale" not in stats
     asked = PPOTrainer(
         Policy(build_tiny_model(tokenizer, seed=0), lora_config, precision="fp32"),
         PPOConfig(natural_gradient=True, max_kl_generate=True),
         tokenizer.pad_token_id,
     )
     stats = asked.step(episodes)
-    assert asked._natural and "trust/scale" in stats
+    assert asked.policy_optimizer is asked.natural is not None and "trust/scale" in stats
 
 
 def test_minibatches_by_default_whole_batch_for_natural_steps_eight_turns_for_adamw(model, lora_config, tokenizer):

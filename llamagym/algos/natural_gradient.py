@@ -18,6 +18,8 @@ solved for jointly (K is small: one row per distinct input).
 `RowGradients` collects the per-input gradients g_i in the same backward pass as the plain gradient, from hooks
 on the adapter's `nn.Linear` modules (LoRA A and B): no extra forward or backward pass. The value head keeps its
 AdamW step on features it no longer back-propagates into.
+`NaturalGradient` wraps both as one optimizer: `zero_grad()`, the forward passes inside `recording()`, the backward
+passes, then `clip_grad_norm()` and `step()`, called as the trainer calls them on its AdamW.
 """
 
 from __future__ import annotations
@@ -133,6 +135,89 @@ class RowGradients:
     def _output_hook(self, grad: torch.Tensor) -> None:
         sq = torch.nan_to_num(grad.float()).pow(2).reshape(grad.shape[0], -1).sum(1)
         self._out_sq = sq if self._out_sq is None else self._out_sq + sq
+
+
+class NaturalGradient:
+    """The natural-gradient step as an optimizer: the adapter moves by the solve over the per-input gradients
+    recorded since `zero_grad()`, the value head by `value_optimizer` (AdamW) on its own gradient.
+
+    Use, per step: `zero_grad()`; `expect(inputs, turns)`; for each micro-batch, the forward pass inside
+    `with optimizer.recording() as watch:` (calling `watch(outputs)` on the per-input outputs the loss is computed
+    from) and `loss.backward()`; then `clip_grad_norm()` and, when that is finite, `step()`.
+    The per-input gradients are taken after each backward pass, into one (inputs, P) buffer: at the next
+    `recording()` or at `clip_grad_norm()`.
+
+    Args:
+        rows: the per-input gradient recorder over the adapter's parameters (`RowGradients`).
+        value_optimizer: the AdamW over the adapter (group 0) and the value head; only the value head's gradient is
+            kept for its step, the adapter's plain gradient is dropped.
+        lr: `natural_step`, the move of each input's outputs per unit of its (per-turn) output gradient; the step
+            is scaled by the minibatch's turn count. Annealed through `param_groups[0]["lr"]`, as AdamW's is.
+        damping: `natural_damping` (see `natural_coefficients`).
+        max_norm: the cap on the step's norm, and the value head's gradient clip.
+    """
+
+    def __init__(self, rows: RowGradients, value_optimizer, lr: float, damping: float, max_norm: float):
+        self.rows, self.value_optimizer = rows, value_optimizer
+        self.params = rows.params
+        self.param_groups = [{"params": self.params, "lr": lr}]
+        self.value_params = [p for group in value_optimizer.param_groups[1:] for p in group["params"]]
+        self.damping, self.max_norm = damping, max_norm
+        self._grads: torch.Tensor | None = None  # (inputs, P) the step's per-input gradients G
+        self._filled = 0  # rows of `_grads` taken so far
+        self._targets: list[torch.Tensor] = []  # their output-gradient targets t, per micro-batch
+        self._turns = 0  # the minibatch's turn count (the step's scale)
+        self._pending = False  # a recorded forward whose gradients are not taken yet
+        self._direction: torch.Tensor | None = None  # the solved step, between clip_grad_norm() and step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the recorded per-input gradients and every accumulated gradient (also after a skipped step)."""
+        self.value_optimizer.zero_grad(set_to_none=set_to_none)
+        self.rows.clear()
+        self._grads, self._filled, self._targets, self._pending, self._direction = None, 0, [], False, None
+
+    def expect(self, inputs: int, turns: int) -> None:
+        """The next step's minibatch: `inputs` distinct inputs (the rows of G), `turns` turns (the step's scale)."""
+        self.rows.clear()
+        self._grads = torch.empty(inputs, self.rows.width, device=self.params[0].device)
+        self._filled, self._targets, self._turns = 0, [], turns
+
+    @contextmanager
+    def recording(self):
+        """Record the per-input gradients of the forward pass run inside (and of its backward); yields `watch`."""
+        self._take()
+        with self.rows.recording():
+            yield self.rows.watch
+        self._pending = True
+
+    @torch.no_grad()
+    def clip_grad_norm(self) -> torch.Tensor:
+        """Solve for the step and clip the value head's gradient; returns the step's norm before its cap, or the
+        value head's gradient norm when that is not finite (the step is then to be skipped)."""
+        self._take()
+        grads, targets = self._grads, torch.cat(self._targets)
+        self._grads, self._targets = None, []
+        scale = self.param_groups[0]["lr"] * self._turns
+        self._direction, norm = natural_direction(grads, targets, self.damping, scale, self.max_norm)
+        value_norm = torch.nn.utils.clip_grad_norm_(self.value_params, self.max_norm)
+        return norm if torch.isfinite(value_norm) else value_norm
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Move the adapter by the step `clip_grad_norm()` solved for, and the value head by its AdamW step."""
+        for p in self.params:
+            p.grad = None  # the plain gradient, accumulated as well, is not used
+        subtract_flat(self.params, self._direction)
+        self._direction = None
+        self.value_optimizer.step()
+
+    def _take(self) -> None:
+        """Take the per-input gradients of the last recorded forward and backward pass into the buffer."""
+        if self._pending:
+            targets = self.rows.take(out=self._grads[self._filled :])[1]
+            self._targets.append(targets)
+            self._filled += len(targets)
+            self._pending = False
 
 
 def natural_coefficients(gram: torch.Tensor, targets: torch.Tensor, damping: float) -> torch.Tensor:

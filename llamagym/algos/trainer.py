@@ -14,7 +14,8 @@ What one action, one reward and one value are (docs/design.md §3):
 Two KLs, never mixed up: `kl_ref` (policy vs reference, in the reward, adaptive coefficient) and `approx_kl`
 (new vs old policy within an update, for target-KL early stopping, checked before each optimizer step).
 The backward pass and the optimizer step live in `_backward`/`_step` alone, so data-parallel training stays a
-small step.
+small step. A policy step is taken by `policy_optimizer`: the AdamW `optimizer`, or the `natural` one
+(`NaturalGradient`), called the same way (`zero_grad`, backward, clip, `step`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from ..config import PPOConfig, ReplayConfig
 from ..models.policy import Policy
 from . import estimators, ppo
-from .natural_gradient import RowGradients, natural_direction, subtract_flat
+from .natural_gradient import NaturalGradient, RowGradients
 from .rollout import (
     Episode,
     ScoreBatch,
@@ -80,15 +81,18 @@ class PPOTrainer:
         self.replay = SFTReplayBuffer(replay_config) if replay_config is not None else None
         self.estimator = estimators.get_estimator(config.advantage)  # `needs_value`: gae; whitened (see `step`)
         self._loss_options: dict = {}  # this update's options of `ppo.policy_loss` (see `_loss_options`)
-        # natural-gradient steps (see `natural`): per-input gradients of the policy loss, solved for jointly, move
-        # the adapter; the value head keeps its AdamW step on the value loss, which no longer reaches the adapter
+        # natural-gradient steps (`NaturalGradient`): per-input gradients of the policy loss, solved for jointly,
+        # move the adapter; the value head keeps its AdamW step on the value loss, which no longer reaches the adapter
         self.lm_params = lm_params
-        self.row_gradients = _row_gradients(policy, lm_params, config.natural_gradient)
-        policy.value_head.detach_input = self.row_gradients is not None
-        self._row_grads: torch.Tensor | None = None  # the minibatch's per-input gradients G (natural_gradient)
-        self._row_targets: list[torch.Tensor] = []  # and their output-gradient targets t, per micro-batch
+        rows = _row_gradients(policy, lm_params, config.natural_gradient)
+        self.natural = None
+        if rows is not None:
+            self.natural = NaturalGradient(
+                rows, self.optimizer, config.natural_step, config.natural_damping, config.max_grad_norm
+            )
+        policy.value_head.detach_input = self.natural is not None
+        self.policy_optimizer: torch.optim.AdamW | NaturalGradient = self.optimizer  # this update's (see `step`)
         self.trust_region = TrustRegion(lm_params, config.max_kl) if config.max_kl is not None else None
-        self._natural = self.row_gradients is not None  # this update's steps are natural ones (see `step`)
         self.return_moments = ppo.RunningMoments()  # every return so far: the scale of advantage_scale="returns"
         self.generator = torch.Generator().manual_seed(config.seed)
         self.num_updates = 0
@@ -111,7 +115,8 @@ class PPOTrainer:
         # In generate mode the bound is a k3 estimate summed over sampled reply tokens, and in the suite's generate
         # runs it undid every step (docs/learning-that-holds.md): there they run only when asked for explicitly.
         scoring = isinstance(batch, ScoreBatch)
-        self._natural = self.row_gradients is not None and (scoring or cfg.natural_gradient is True)
+        natural = self.natural is not None and (scoring or cfg.natural_gradient is True)
+        self.policy_optimizer = self.natural if natural else self.optimizer
         region = self.trust_region if scoring or cfg.max_kl_generate else None
         data = UpdateBatch(batch, distinct_inputs(turns), _action_mask(batch))
         mask = data.mask
@@ -119,7 +124,7 @@ class PPOTrainer:
         # so the first minibatch repeats that exact forward and its ratio is exactly 1.
         # Minibatches: a natural step solves over every distinct input at once, so it takes the whole batch; an AdamW
         # step is one small move, so plain steps take several per epoch (generate mode learned with 8-turn ones).
-        size = cfg.mini_batch_size or (len(turns) if self._natural else PLAIN_MINI_BATCH)
+        size = cfg.mini_batch_size or (len(turns) if natural else PLAIN_MINI_BATCH)
         self._loss_options = _loss_options(cfg, mask)
         plans = [minibatch_indices(len(turns), size, self.generator) for _ in range(cfg.ppo_epochs)]
 
@@ -172,7 +177,7 @@ class PPOTrainer:
                 if mb is None:  # a non-finite loss: nothing was applied, the step is skipped
                     continue
                 if cfg.use_target_kl and ppo.kl_exceeded(mb["ppo/approx_kl"], cfg.target_kl):
-                    self.optimizer.zero_grad(set_to_none=True)
+                    self.policy_optimizer.zero_grad(set_to_none=True)
                     early_stopped = True
                     break
                 if region is not None:
@@ -186,8 +191,6 @@ class PPOTrainer:
                     stats[key].append(value)
             if early_stopped:
                 break
-
-        self._row_grads, self._row_targets = None, []  # an early stop leaves a minibatch's unused: let them go
 
         # 5. refit the value head to this batch's returns (its AdamW steps alone barely move it in a few steps)
         if features is not None:
@@ -239,6 +242,8 @@ class PPOTrainer:
         cfg = self.config
         self.step_scale = ppo.linear_anneal(self.num_updates, cfg.anneal_updates)
         self.optimizer.param_groups[0]["lr"] = cfg.learning_rate * self.step_scale
+        if self.natural is not None:
+            self.natural.param_groups[0]["lr"] = cfg.natural_step * self.step_scale
         if self.step_scale == 0 and self.num_updates == cfg.anneal_updates:
             logger.warning(
                 "update %d: anneal_updates=%d is reached, so the adapter's step size is 0 and further updates leave "
@@ -334,14 +339,11 @@ class PPOTrainer:
         cfg, mask, groups = self.config, data.mask, data.groups
         total_tokens, total_rows = mask[index].sum(), len(index)
         sums: dict[str, float] = defaultdict(float)
-        rows = self.row_gradients if self._natural else None
-        self._row_targets, self._rows_turns = [], len(index)
-        if rows is not None:  # one (distinct inputs, P) buffer, filled by each micro-batch's per-input gradients
-            rows.clear()
-            self._row_grads, filled = torch.empty(len(torch.unique(groups[index])), rows.width, device=mask.device), 0
+        natural = self.policy_optimizer if isinstance(self.policy_optimizer, NaturalGradient) else None
+        if natural is not None:  # its per-input gradients are recorded by hooks set in the forward pass
+            natural.expect(inputs=len(torch.unique(groups[index])), turns=len(index))
         for part in self._micro(groups, index):
-            with rows.recording() if rows is not None else nullcontext():
-                watch = rows.watch if rows is not None else None
+            with natural.recording() if natural is not None else nullcontext() as watch:
                 logprobs, part_mask, values, entropy, _ = self._evaluate(data, part, True, watch=watch)
             old = data.old_logprobs[part, : logprobs.shape[1]]
             token_share, row_share = part_mask.sum() / total_tokens, len(part) / total_rows
@@ -359,12 +361,8 @@ class PPOTrainer:
             pg_share = token_share if cfg.loss_aggregation == "token_mean" else row_share
             pg_term = pg_loss if cfg.loss_aggregation == "token_mean" else pg_loss * (row_share / token_share)
             loss = (pg_term - cfg.ent_coef * entropy) * token_share + cfg.vf_coef * v_loss * row_share
-            if not self._backward(loss):  # the per-input gradients are recorded by hooks set in the forward pass
+            if not self._backward(loss):
                 return None
-            if rows is not None:
-                targets = rows.take(out=self._row_grads[filled:])[1]
-                self._row_targets.append(targets)
-                filled += len(targets)
             for key, value, share in (
                 ("ppo/policy_loss", pg_loss, pg_share),
                 ("ppo/value_loss", v_loss, row_share),
@@ -443,53 +441,29 @@ class PPOTrainer:
     def _backward(self, loss: torch.Tensor) -> bool:
         """Accumulate the gradient of `loss`; a non-finite loss clears the accumulated gradients instead."""
         if not torch.isfinite(loss):
-            self.optimizer.zero_grad(set_to_none=True)
+            self.policy_optimizer.zero_grad(set_to_none=True)
             return self._skip(f"non-finite loss {float(loss.detach())}")
         loss.backward()
         return True
 
     def _step(self, stats: dict[str, list[float]], plain: bool = False) -> bool:
-        """Clip and apply the accumulated gradient; a non-finite gradient skips the step, weights unchanged.
+        """Clip and apply the accumulated gradient with this update's `policy_optimizer`; a non-finite gradient (or
+        natural step) skips the step, weights unchanged.
 
         `plain` takes an AdamW step even under natural_gradient: the supervised replay steps record no per-input
         gradients to solve with.
         """
-        if self._natural and not plain:
-            return self._natural_step(stats)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), self.config.max_grad_norm)
-        if not torch.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            return self._skip(f"non-finite gradient norm {float(grad_norm)}")
-        self.optimizer.step()
+        optimizer = self.optimizer if plain else self.policy_optimizer
+        if optimizer is self.optimizer:
+            norm = torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), self.config.max_grad_norm)
+        else:
+            norm = optimizer.clip_grad_norm()  # solves for the natural step: the norm is the step's
+        if not torch.isfinite(norm):
+            optimizer.zero_grad(set_to_none=True)
+            return self._skip(f"non-finite {type(optimizer).__name__} step: gradient norm {float(norm)}")
+        optimizer.step()
         self.policy.version += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        self.consecutive_skips = 0
-        stats["ppo/grad_norm"].append(float(grad_norm))
-        return True
-
-    @torch.no_grad()
-    def _natural_step(self, stats: dict[str, list[float]]) -> bool:
-        """Apply the natural-gradient step of the minibatch just back-propagated (see `natural`).
-
-        The step is scaled by the minibatch's turn count, so `natural_step` is the move of each input's outputs
-        per unit of its (per-turn) output gradient, whatever the minibatch size.
-        """
-        cfg = self.config
-        grads, targets = self._row_grads, torch.cat(self._row_targets)
-        self._row_grads, self._row_targets = None, []
-        scale = cfg.natural_step * self.step_scale * self._rows_turns
-        direction, norm = natural_direction(grads, targets, cfg.natural_damping, scale, cfg.max_grad_norm)
-        value_params = list(self.policy.value_head.parameters())
-        value_norm = torch.nn.utils.clip_grad_norm_(value_params, cfg.max_grad_norm)
-        if not (torch.isfinite(norm) and torch.isfinite(value_norm)):
-            self.optimizer.zero_grad(set_to_none=True)
-            return self._skip(f"non-finite natural-gradient step (norm {float(norm)}, value head {float(value_norm)})")
-        for p in self.lm_params:
-            p.grad = None  # the plain gradient, accumulated as well, is not used
-        subtract_flat(self.lm_params, direction)
-        self.optimizer.step()  # the value head's AdamW step
-        self.optimizer.zero_grad(set_to_none=True)
-        self.policy.version += 1
+        optimizer.zero_grad(set_to_none=True)
         self.consecutive_skips = 0
         stats["ppo/grad_norm"].append(float(norm))
         return True
