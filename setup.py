@@ -32,6 +32,7 @@ setup(
         "quantization": ["bitsandbytes>=0.43; platform_system == 'Linux'"],
         "wandb": ["wandb>=0.17"],
         "plots": ["matplotlib>=3.7"],
+        "trl": ["trl==1.16.0"],  # llamagym.integrations.trl: rollout_func is experimental in TRL, one tested release
         "dev": ["pytest>=8", "ruff>=0.5"],
     },
     entry_points={"console_scripts": ["llamagym=llamagym.cli:main"]},

