@@ -180,23 +180,23 @@ def time_update(name, agent, episodes):
 
 def time_sharing(agent, episodes):
     """(h) The same update with the repeated-input savings off, then on, side by side (see README, Training)."""
-    from llamagym.algos import trainer as trainer_module
+    from llamagym.algos.modes import ActionMode
 
-    share, cache = trainer_module.distinct_inputs, agent.policy.frozen_cache
+    share, cache = ActionMode.distinct_inputs, agent.policy.frozen_cache
     rows = []
     for label, on in (
         ("off: every turn computed, all layers", False),
         ("on: distinct inputs, frozen-layer cache", True),
     ):
         if not on:
-            trainer_module.distinct_inputs = lambda turns: torch.arange(len(turns))
+            ActionMode.distinct_inputs = lambda self, turns: torch.arange(len(turns))
             agent.policy.frozen_cache = None
         elif cache is not None:
             cache.clear()  # a cold cache: in a run, acting has usually filled it already
         try:
             row = time_update(f"(h) sharing {label}", agent, episodes)
         finally:
-            trainer_module.distinct_inputs, agent.policy.frozen_cache = share, cache
+            ActionMode.distinct_inputs, agent.policy.frozen_cache = share, cache
         rows.append(row)
     rows[1]["x_off"] = rows[1]["samples_per_s"] / rows[0]["samples_per_s"]
     rows[0]["x_off"] = 1.0

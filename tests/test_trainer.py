@@ -2,8 +2,9 @@ import pytest
 import torch
 
 from llamagym.algos import ppo
+from llamagym.algos.modes import MODES, ActionMode, mode_of
 from llamagym.algos.rollout import Episode, Turn
-from llamagym.algos.trainer import PPOTrainer, _loss_options, distinct_inputs, distinct_prompts, episode_groups
+from llamagym.algos.trainer import PPOTrainer, _loss_options, distinct_prompts, episode_groups
 from llamagym.config import PPOConfig, ReplayConfig
 from llamagym.models.policy import Policy
 from llamagym.models.tiny_random import build_tiny_model
@@ -220,11 +221,9 @@ def repeated_episodes(scored: bool):
 
 @pytest.mark.parametrize("scored", [False, True])
 def test_repeated_inputs_are_computed_once_with_the_same_update(model, lora_config, tokenizer, monkeypatch, scored):
-    from llamagym.algos import trainer as trainer_module
-
     def run(share: bool):
-        if not share:
-            monkeypatch.setattr(trainer_module, "distinct_inputs", lambda turns: torch.arange(len(turns)))
+        if not share:  # every turn its own input: the action modes' `distinct_inputs` numbers them 0..N-1
+            monkeypatch.setattr(ActionMode, "distinct_inputs", lambda self, turns: torch.arange(len(turns)))
         torch.manual_seed(0)  # the same LoRA and value-head initialisation in both runs
         trainer = make_trainer(build_tiny_model(tokenizer, seed=0), lora_config, tokenizer, mini_batch_size=7)
         rows = []
@@ -262,7 +261,22 @@ def test_episode_groups_are_the_first_prompt_unless_a_group_is_given():
 def test_step_keys_are_prompts_whatever_the_reply():
     turns = [Turn([1, 2], [3]), Turn([1, 2], [4]), Turn([5], [3])]
     assert distinct_prompts(turns).tolist() == [0, 0, 1]
-    assert distinct_inputs(turns).tolist() == [0, 1, 2]  # the model inputs differ by reply
+    assert MODES["generate"].distinct_inputs(turns).tolist() == [0, 1, 2]  # the model inputs differ by reply
+    candidates = [[3], [4]]
+    scored = [Turn([1, 2], [3], candidates=candidates, choice=0), Turn([1, 2], [4], candidates=candidates, choice=1)]
+    scored.append(Turn([1, 2], [3], candidates=[[3]], choice=0))
+    assert MODES["score"].distinct_inputs(scored).tolist() == [0, 0, 1]  # whichever was chosen: the candidates count
+
+
+def test_the_turns_action_mode_collates_them_and_mixed_modes_are_refused():
+    generated, scored = Turn([1, 2], [3]), Turn([1, 2], [3], candidates=[[3], [4, 5]], choice=0)
+    assert mode_of([generated]) is MODES["generate"] and mode_of([scored]) is MODES["score"]
+    assert MODES["generate"].action_mask(MODES["generate"].collate([generated], 0)).tolist() == [[0.0, 0.0, 1.0]]
+    batch = MODES["score"].collate([scored], 0)
+    assert MODES["score"].action_mask(batch).tolist() == [[1.0]]  # one choice per turn
+    assert MODES["score"].empty_distributions(batch).shape == (1, 2)
+    with pytest.raises(ValueError, match="mixes generated and scored turns"):
+        mode_of([generated, scored])
 
 
 def test_grpo_in_the_trainer_groups_episodes_by_first_prompt_and_is_not_whitened(model, lora_config, tokenizer):

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import torch
 from transformers import GenerationConfig
 
+from ..algos.modes.score import ScoreMode
 from ..algos.rollout import collate_scored, left_pad
 from ..models.policy import Policy
 from .chat import ChatFormatter, Message
@@ -91,7 +92,7 @@ class Actor:
         if stamp != self._scores_stamp:
             self._scores.clear()
             self._scores_stamp = stamp
-        keys = [(tuple(p), tuple(map(tuple, c))) for p, c in zip(prompts, candidates, strict=True)]
+        keys = [ScoreMode.key(p, c) for p, c in zip(prompts, candidates, strict=True)]  # the trainer's input key
         missing = list(dict.fromkeys(key for key in keys if key not in self._scores))
         if len(self._scores) + len(missing) > self.score_cache_size:
             self._scores.clear()

@@ -2,6 +2,7 @@
 
 - `rollout.py`          turns and episodes, their padded tensors (the seam between the agent and the trainer), and
                         `UpdateBatch`, one update's tensors in one bundle
+- `modes/`              action modes, one file each (generate, score): collating, evaluating, the same-input key
 - `ppo.py`              PPO math as pure tensor functions: log-probs, GAE, KL estimators, clipped losses
 - `estimators.py`       advantage estimators by name (gae, grpo, rloo, rebn, gigpo) and their registry
 - `trainer.py`          `PPOTrainer`: one update over a batch of episodes (advantages, epochs, value refit, SFT)

@@ -7,9 +7,12 @@ sees a prompt string. `collate` right-pads turns into one batch whose response m
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from .modes import ActionMode
 
 
 @dataclass
@@ -73,12 +76,13 @@ class ScoreBatch(NamedTuple):
 class UpdateBatch(NamedTuple):
     """One update's batch and everything the trainer computed for it, travelling as one bundle.
 
-    Built in stages by `PPOTrainer.step` (`_replace` fills the rest): first the collated turns, their input ids and
-    action mask, then the old policy's outputs, then the advantages and returns.
+    Built in stages by `PPOTrainer.step` (`_replace` fills the rest): first the turns' action mode, the collated
+    turns, their input ids and action mask, then the old policy's outputs, then the advantages and returns.
     """
 
+    mode: ActionMode  # the turns' action mode (`modes.mode_of`): it collated them and evaluates them
     batch: TurnBatch | ScoreBatch  # the collated turns
-    groups: torch.Tensor  # (N,) id of each turn's model input: equal ids, equal outputs (`distinct_inputs`)
+    groups: torch.Tensor  # (N,) id of each turn's model input: equal ids, equal outputs (`mode.distinct_inputs`)
     mask: torch.Tensor  # (N, T) float mask of the action log-probs (response tokens, or one slot per scored turn)
     old_logprobs: torch.Tensor | None = None  # (N, T) the batch's policy's log-probs of the actions
     old_values: torch.Tensor | None = None  # (N,) its values
@@ -127,22 +131,6 @@ def collate_scored(
     return ScoreBatch(*(t.to(device) for t in tensors))
 
 
-def collate_turns(turns: list[Turn], pad_token_id: int, device: torch.device | str = "cpu"):
-    """A `ScoreBatch` when the turns were scored, else a `TurnBatch`; all turns must be of one kind."""
-    scored = {turn.candidates is not None for turn in turns}
-    if len(scored) > 1:
-        raise ValueError("A batch mixes generated and scored turns; keep one action mode per agent.")
-    if scored.pop():
-        return collate_scored(
-            [t.prompt_ids for t in turns],
-            [t.candidates for t in turns],
-            [t.choice for t in turns],
-            pad_token_id,
-            device,
-        )
-    return collate(turns, pad_token_id, device)
-
-
 def _pad(rows: list[list[int]], pad_token_id: int, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask) of token rows padded to the longest, on the right (or the left)."""
     length = max(len(row) for row in rows)
@@ -188,11 +176,9 @@ def left_pad(prompts: list[list[int]], pad_token_id: int, device: torch.device |
     return input_ids.to(device), attention_mask.to(device)
 
 
-def select(batch, index: torch.Tensor):
-    """Rows `index` of a `TurnBatch` (trimmed to its longest remaining sequence) or of a `ScoreBatch`."""
-    rows = type(batch)(*(t[index] for t in batch))
-    if isinstance(rows, ScoreBatch):
-        return rows
+def select(batch: TurnBatch, index: torch.Tensor) -> TurnBatch:
+    """Rows `index` of a `TurnBatch`, trimmed to their longest sequence."""
+    rows = TurnBatch(*(t[index] for t in batch))
     length = int(rows.attention_mask.sum(dim=1).max())
     return TurnBatch(
         rows.input_ids[:, :length], rows.attention_mask[:, :length], rows.response_mask[:, :length], rows.value_index

@@ -32,21 +32,11 @@ import torch
 from ..config import PPOConfig, ReplayConfig
 from ..models.policy import Policy
 from . import estimators, ppo
+from .modes import mode_of
 from .natural_gradient import NaturalGradient, RowGradients
-from .rollout import (
-    Episode,
-    ScoreBatch,
-    Turn,
-    TurnBatch,
-    UpdateBatch,
-    collate,
-    collate_turns,
-    minibatch_indices,
-    prompt_batch,
-    select,
-)
+from .rollout import Episode, Turn, UpdateBatch, collate, minibatch_indices, prompt_batch
 from .sft_replay import SFTReplayBuffer, sft_loss
-from .trust_region import TrustRegion, categorical_kl
+from .trust_region import TrustRegion
 
 logger = logging.getLogger(__name__)
 PLAIN_MINI_BATCH = 8  # turns per AdamW step when `mini_batch_size` is None
@@ -110,15 +100,15 @@ class PPOTrainer:
             raise ValueError("PPOTrainer.step() needs at least one episode with a turn.")
         self._anneal()
         turns = [turn for episode in episodes for turn in episode.turns]
-        batch = collate_turns(turns, self.pad_token_id, self.policy.device)
-        # Natural steps and the trust region are automatic in scoring mode, where the KL over the candidates is exact.
+        mode = mode_of(turns)  # the action mode collates and evaluates the turns (`algos/modes/`)
+        batch = mode.collate(turns, self.pad_token_id, self.policy.device)
+        # Natural steps and the trust region are automatic where the KL is exact (scoring mode, over the candidates).
         # In generate mode the bound is a k3 estimate summed over sampled reply tokens, and in the suite's generate
         # runs it undid every step (docs/learning-that-holds.md): there they run only when asked for explicitly.
-        scoring = isinstance(batch, ScoreBatch)
-        natural = self.natural is not None and (scoring or cfg.natural_gradient is True)
+        natural = self.natural is not None and (mode.exact_kl or cfg.natural_gradient is True)
         self.policy_optimizer = self.natural if natural else self.optimizer
-        region = self.trust_region if scoring or cfg.max_kl_generate else None
-        data = UpdateBatch(batch, distinct_inputs(turns), _action_mask(batch))
+        region = self.trust_region if mode.exact_kl or cfg.max_kl_generate else None
+        data = UpdateBatch(mode, batch, mode.distinct_inputs(turns), mode.action_mask(batch))
         mask = data.mask
         # Shuffles for every epoch are drawn up front: the old log-probs are computed on epoch 0's minibatches,
         # so the first minibatch repeats that exact forward and its ratio is exactly 1.
@@ -253,31 +243,16 @@ class PPOTrainer:
             )
 
     def _evaluate(self, data: UpdateBatch, part, with_entropy: bool = False, watch=None, reference: bool = False):
-        """(log-probs, mask, values, entropy, distributions) of the actions of rows `part`, shaped (P, T); T = 1 in
-        scoring mode, where the distributions are the (P, C) log-probs of every candidate (None when generating).
+        """The `modes.Evaluation` (log-probs, mask, values, entropy, distributions) of the actions of rows `part`
+        by the batch's action mode: generated turns give one log-prob per response token, scored turns one per turn,
+        log pi(chosen candidate), and the (P, C) log-probs of every candidate (None when generating).
 
-        Generated turns give one log-prob per response token; scored turns one per turn: log pi(chosen candidate).
         Rows with the same model input (`groups`) are computed once and shared: the result is the same, the cost
         is that of the distinct inputs only. `watch` (a `RowGradients.watch`) is given the per-input outputs.
         """
-        batch, groups = data.batch, data.groups
-        distinct, inverse = torch.unique(groups[part], return_inverse=True)
+        distinct, inverse = torch.unique(data.groups[part], return_inverse=True)
         first = torch.full((len(distinct),), len(part)).scatter_reduce(0, inverse, torch.arange(len(part)), "amin")
-        rows = select(batch, part[first])
-        if isinstance(batch, ScoreBatch):
-            out = self.policy.score(rows, reference=reference)
-            if watch is not None:
-                watch(out.logprobs)
-            logprobs = out.logprobs[inverse]
-            chosen = logprobs.gather(1, batch.choice[part][:, None])
-            probs = logprobs.exp()
-            entropy = -(probs * logprobs.masked_fill(probs == 0, 0.0)).sum(-1, keepdim=True)
-            return chosen, torch.ones_like(chosen), out.values[inverse], entropy, logprobs
-        out = self.policy(*rows, reference=reference, with_entropy=with_entropy)
-        if watch is not None:
-            watch(out.logprobs)
-        entropy = out.entropy[inverse] if out.entropy is not None else None
-        return out.logprobs[inverse], rows.response_mask[inverse], out.values[inverse], entropy, None
+        return data.mode.evaluate(self.policy, data.batch, part, first, inverse, with_entropy, watch, reference)
 
     def _micro(self, groups: torch.Tensor, index: torch.Tensor) -> list[torch.Tensor]:
         """A minibatch's rows in micro-batches of at most `micro_batch_size` distinct inputs (which bounds the
@@ -291,10 +266,10 @@ class PPOTrainer:
         """Log-probs (N, T), values (N,), scoring the candidate distributions (N, C) (else None), and the value
         head's inputs (N, H) when `value_refit` asks for them (else None) of the whole batch, computed micro-batch
         by micro-batch as the first epoch will (so the first minibatch's ratio is exactly 1)."""
-        batch, groups = data.batch, data.groups
+        groups = data.groups
         logprobs = torch.zeros_like(data.mask)
-        values = torch.zeros(batch.input_ids.shape[0], device=logprobs.device)
-        dists = features = None
+        values = torch.zeros(data.batch.input_ids.shape[0], device=logprobs.device)
+        dists, features = data.mode.empty_distributions(data.batch), None
         seen: list[torch.Tensor] = []
         keep = not reference and self.config.value_refit is not None
         hook = self.policy.value_head.register_forward_pre_hook(lambda _, args: seen.append(args[0])) if keep else None
@@ -307,10 +282,7 @@ class PPOTrainer:
                 if features is None:
                     features = torch.zeros(len(values), seen[-1].shape[-1], device=logprobs.device)
                 features[part] = seen.pop().float()[inverse]
-            if mb_dists is not None:
-                if dists is None:  # as wide as the batch's most candidates; a micro-batch may have fewer
-                    width = int(batch.num_candidates.max())
-                    dists = torch.full((len(values), width), -math.inf, device=logprobs.device)
+            if mb_dists is not None:  # a micro-batch may have fewer candidates than the batch's most
                 dists[part, : mb_dists.shape[1]] = mb_dists
         if hook is not None:
             hook.remove()
@@ -379,7 +351,8 @@ class PPOTrainer:
     @torch.no_grad()
     def _measure(self, data: UpdateBatch, index: torch.Tensor, surrogate_before: float):
         """How far the policy now is from the batch's old one on rows `index`: the mean and largest KL(old || new)
-        per turn (exact over the candidates when scoring, the k3 estimate summed over the reply when generating),
+        per turn (the action mode's `kl`: exact over the candidates when scoring, the k3 estimate summed over the
+        reply when generating),
         and whether the unclipped surrogate mean(ratio x advantage) did not fall below `surrogate_before`.
 
         "Below" allows 0.1% of the mean |advantage|: under bf16 a tiny step moves log-probs by rounding as much as
@@ -387,13 +360,10 @@ class PPOTrainer:
         """
         kls, surrogate, tokens = [], 0.0, data.mask[index].sum()
         for part in self._micro(data.groups, index):
-            logprobs, part_mask, _, _, dists = self._evaluate(data, part)
+            now = self._evaluate(data, part)
+            logprobs, part_mask = now.logprobs, now.mask
             old = data.old_logprobs[part, : logprobs.shape[1]]
-            if dists is not None:
-                kls.append(categorical_kl(data.old_dists[part, : dists.shape[1]], dists))
-            else:
-                log_ratio = torch.where(part_mask.bool(), logprobs - old, 0.0)
-                kls.append(((torch.expm1(log_ratio) - log_ratio) * part_mask).sum(-1))
+            kls.append(data.mode.kl(data, part, now))
             part_advantages = data.advantages[part].unsqueeze(-1).expand_as(old)
             surrogate += float(_surrogate(logprobs, old, part_advantages, part_mask) * part_mask.sum() / tokens)
         kl = torch.cat(kls)
@@ -534,24 +504,11 @@ class PPOTrainer:
             self.trust_region.start = state["trust_start"]
 
 
-def distinct_inputs(turns: list[Turn]) -> torch.Tensor:
-    """(N,) id of each turn's model input, numbered by first appearance: equal ids mean equal log-probs and values.
-
-    A scored turn's input is its prompt with every candidate (whichever was chosen), a generated one's its prompt
-    and reply. Small observation spaces repeat inputs often (Blackjack has 280 states).
-    """
-    ids: dict[tuple, int] = {}
-    numbered = []
-    for turn in turns:
-        reply = tuple(map(tuple, turn.candidates)) if turn.candidates is not None else tuple(turn.response_ids)
-        numbered.append(ids.setdefault((tuple(turn.prompt_ids), reply), len(ids)))
-    return torch.tensor(numbered, dtype=torch.long)
-
-
 def distinct_prompts(turns: list[Turn]) -> torch.Tensor:
     """(N,) id of each turn's prompt (the state it acted in), numbered by first appearance: gigpo's step key.
 
-    Unlike `distinct_inputs` the reply is left out: turns that answered the same prompt differently share an id.
+    Unlike the action mode's `distinct_inputs` the reply is left out: turns that answered the same prompt differently
+    share an id.
     """
     ids: dict[tuple, int] = {}
     return torch.tensor([ids.setdefault(tuple(turn.prompt_ids), len(ids)) for turn in turns], dtype=torch.long)
@@ -599,10 +556,3 @@ def _surrogate(logprobs, old_logprobs, advantages, mask) -> torch.Tensor:
 def _std(x: torch.Tensor) -> float:
     """Population std of a tensor's entries (0 for fewer than 2)."""
     return float(x.std(unbiased=False)) if x.numel() > 1 else 0.0
-
-
-def _action_mask(batch: TurnBatch | ScoreBatch) -> torch.Tensor:
-    """(N, T) float mask of the action log-probs: the response tokens, or one slot per scored turn."""
-    if isinstance(batch, ScoreBatch):
-        return torch.ones((batch.input_ids.shape[0], 1), device=batch.input_ids.device)
-    return batch.response_mask
