@@ -60,6 +60,13 @@ def parse_args(argv=None):
     parser.add_argument("--ppo", nargs="*", default=[], metavar="KEY=VALUE", help="PPOConfig overrides")
     parser.add_argument("--agent", nargs="*", default=[], metavar="KEY=VALUE", help="Agent(...) overrides")
     parser.add_argument("--output", default="benchmarks/results/learning_suite", help="output folder")
+    parser.add_argument(
+        "--trainer",
+        default="llamagym",
+        choices=["llamagym", "trl", "both"],
+        help="trl: TRL's GRPOTrainer through llamagym.integrations.trl (mode generate-trl; pip install -e .[trl]); "
+        "both: each game through both, same budget",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny model, 1 seed, 3 s per run: checks it all works")
     args = parser.parse_args(argv)
     if args.quick:
@@ -70,6 +77,8 @@ def parse_args(argv=None):
     bad = [m for m in args.modes if m not in ("score", "generate")]
     if bad:
         parser.error(f"--modes should name score and/or generate. Received {', '.join(bad)}.")
+    if args.trainer != "llamagym":  # learning_suite_trl.py runs it; the adapter plays in generate mode
+        args.modes = ([] if args.trainer == "trl" else args.modes) + ["generate-trl"]
     args.seeds = [int(s) for s in args.seeds.split(",")]
     if args.group_size < 1:
         parser.error(f"--group-size should be an integer >= 1. Received {args.group_size}.")
@@ -229,7 +238,12 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
 
 def _child(connection, game_name, mode, seed, args):
     try:
-        connection.send(train(game_name, mode, seed, args))
+        if mode == "generate-trl":
+            from learning_suite_trl import train_trl
+
+            connection.send(train_trl(game_name, seed, args, peak_rss_gib, THRESHOLDS))
+        else:
+            connection.send(train(game_name, mode, seed, args))
     except BaseException as err:  # report any failure to the parent, which records it and goes on
         connection.send({"game": game_name, "mode": mode, "seed": seed, "error": f"{err!r}\n{traceback.format_exc()}"})
     finally:
@@ -274,7 +288,7 @@ def markdown(runs: list[dict], header: dict) -> str:
         if "error" in r:
             lines.append(f"| {r['game']} | {r['mode']} | {r['seed']} | failed: {r['error'].splitlines()[0][:80]} |")
             continue
-        invalid = _fmt(r["invalid_train"]) if r["mode"] == "generate" else "-"
+        invalid = _fmt(r["invalid_train"]) if r["mode"].startswith("generate") else "-"
         lines.append(
             f"| {r['game']} | {r['mode']} | {r['seed']} | {r['before']:.2f} | {r['best']:.2f} | {r['final']:.2f} "
             f"| {_fmt(r['t50'], '.0f')} | {_fmt(r['t80'], '.0f')} | {invalid} | {r['updates']} "
@@ -296,7 +310,7 @@ def plot(runs: list[dict], game_name: str, path: Path) -> None:
             continue
         xs = [p["train"] / 60 for p in r["curve"]]
         ys = [p["normalised"] for p in r["curve"]]
-        color = "C0" if r["mode"] == "score" else "C1"
+        color = {"score": "C0", "generate": "C1"}.get(r["mode"], "C2")
         ax.plot(xs, ys, marker="o", ms=3, color=color, ls=styles[r["seed"] % 4], label=f"{r['mode']}, seed {r['seed']}")
     ax.axhline(0, color="grey", lw=1, ls=":")
     ax.axhline(1, color="grey", lw=1, ls=":")
