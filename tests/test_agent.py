@@ -173,6 +173,23 @@ def test_save_and_load_restore_the_policy_and_the_trainer(model, tokenizer, lora
         assert torch.equal(a, b), name
 
 
+def test_state_dict_round_trips_the_trainer_and_episodes_and_can_drop_the_running_ones(model, tokenizer, lora_config):
+    from llamagym.models.tiny_random import build_tiny_model
+
+    agent = make_agent(model, tokenizer, lora_config, batch_size=3)
+    play(agent, CountingEnv(length=2), episodes=4)  # one update, one finished episode waiting
+    agent.act(0)  # a running episode
+    state = agent.state_dict()
+    assert set(state) == {"trainer", "episode_count", "episodes"}
+    other = make_agent(build_tiny_model(tokenizer), tokenizer, lora_config, batch_size=3)
+    other.load_state_dict(state)
+    assert other.trainer.num_updates == 1 and other.episode_count == agent.episode_count
+    assert len(other.batch) == 1 and other.episode.turns == agent.episode.turns
+    fresh = make_agent(build_tiny_model(tokenizer), tokenizer, lora_config, batch_size=3)
+    fresh.load_state_dict(state, restore_episodes=False)
+    assert len(fresh.batch) == 1 and not fresh.episode.turns and fresh.episode_count == agent.episode_count + 1
+
+
 class NamedAgent(ScriptedAgent):
     action_names = ["yes", "no"]
 

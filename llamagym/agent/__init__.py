@@ -6,7 +6,7 @@
 - `parsing.py`          a model reply -> an env action (JSON, the user's `extract_action`, else a fallback)
 - `running_episodes.py` each env's running episode, and its form inside a checkpoint
 - `demos.py`            demonstrations (chat transcripts) for the SFT warm-start
-- `checkpoint.py`       crash-safe checkpoints of everything a resumed run needs
+- `checkpoint.py`       crash-safe checkpoints of everything a resumed run needs (`Agent.state_dict()` and the weights)
 """
 
 from .agent import Agent

@@ -27,7 +27,7 @@ from . import demos
 from .chat import ChatFormatter, Message
 from .checkpoint import load_checkpoint, save_checkpoint
 from .choosing import Actor, decide, eos_ids, generation_settings
-from .running_episodes import Slot
+from .running_episodes import Slot, episodes_state, load_episodes_state
 
 ACTION_MODES = ("auto", "generate", "score")
 _FROM_CLASS = object()  # `context_turns` left out: the class attribute decides
@@ -382,6 +382,29 @@ class Agent(ABC):
         from `extra`); without it they are discarded. Finished, untrained episodes are restored either way.
         """
         return load_checkpoint(self, directory, restore_rng, restore_episodes)
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs besides the policy's weights (`Policy.save`) and the RNG states: the trainer's
+        state (optimizer, KL controller, replay buffer, counters), the episode count, the running episodes and the
+        finished ones not yet trained on. Picklable; `save` writes it into the checkpoint."""
+        return {
+            "trainer": self.trainer.state_dict(),
+            "episode_count": self.episode_count,
+            "episodes": episodes_state(self.slots, self.batch),
+        }
+
+    def load_state_dict(self, state: dict, restore_episodes: bool = True) -> None:
+        """Restore what `state_dict` returned. `restore_episodes` continues the running episodes; without it they
+        are dropped and a fresh one starts. The finished, untrained episodes come back either way."""
+        self.trainer.load_state_dict(state["trainer"])
+        self.episode_count = state["episode_count"]
+        if "episodes" in state:  # absent in checkpoints written before it existed
+            slots, self.batch = load_episodes_state(state["episodes"])
+            if restore_episodes:
+                self.slots = slots
+            else:
+                self.slots = []
+                self._ensure_slots(1)
 
     # ---- internals -------------------------------------------------------------------------------------------
     def _new_slot(self) -> Slot:

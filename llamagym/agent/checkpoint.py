@@ -19,8 +19,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .running_episodes import episodes_state, load_episodes_state
-
 MANIFEST = "manifest.json"
 STATE_FILE = "state.pt"
 FORMAT = 2  # bump when a checkpoint written by this version can no longer be read by older ones
@@ -55,9 +53,10 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(agent, directory: str | Path, extra: dict | None = None) -> Path:
-    """Write the agent's adapter, value head, trainer state (optimizer, KL controller, replay buffer, counters),
-    its running episodes and the finished ones not yet trained on, the global RNG states and `extra` (anything
-    picklable the caller needs to resume, e.g. the envs and their observations) into `directory`."""
+    """Write the agent's adapter and value head (`Policy.save`), its `state_dict()` (trainer state: optimizer, KL
+    controller, replay buffer, counters; the episode count; its running episodes and the finished ones not yet
+    trained on), the global RNG states and `extra` (anything picklable the caller needs to resume, e.g. the envs and
+    their observations) into `directory`."""
     from .. import __version__
 
     directory = Path(directory)
@@ -66,13 +65,7 @@ def save_checkpoint(agent, directory: str | Path, extra: dict | None = None) -> 
     tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint is an ordinary folder
     try:
         agent.policy.save(tmp)
-        state = {
-            "trainer": agent.trainer.state_dict(),
-            "episode_count": agent.episode_count,
-            "episodes": episodes_state(agent.slots, agent.batch),
-            "rng": rng_state(),
-            "extra": extra or {},
-        }
+        state = {**agent.state_dict(), "rng": rng_state(), "extra": extra or {}}  # trainer, episode_count, episodes
         torch.save(state, tmp / STATE_FILE)
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
         manifest = {
@@ -122,17 +115,9 @@ def load_checkpoint(agent, directory: str | Path, restore_rng: bool = True, rest
     try:
         agent.policy.load(directory)
         state = torch.load(directory / STATE_FILE, weights_only=False, pickle_module=_RenamingPickle)
-        agent.trainer.load_state_dict(state["trainer"])
+        agent.load_state_dict(state, restore_episodes)
     except (OSError, RuntimeError, ValueError, KeyError, EOFError) as exc:
         raise CheckpointError(f"{directory} could not be loaded: {exc}") from exc
-    agent.episode_count = state["episode_count"]
-    if "episodes" in state:  # absent in checkpoints written before it existed
-        slots, agent.batch = load_episodes_state(state["episodes"])
-        if restore_episodes:
-            agent.slots = slots
-        else:
-            agent.slots = []
-            agent._ensure_slots(1)
     if restore_rng:
         set_rng_state(state["rng"])
     return state["extra"]
