@@ -29,6 +29,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from .. import distributed
+
 
 class RowGradients:
     """Per-row (per input in the batch dimension) gradients of every trainable parameter of `model`.
@@ -62,6 +64,9 @@ class RowGradients:
         self._grads: dict[int, torch.Tensor] = {}  # id(param) -> (B, *param.shape) accumulated per-row gradient
         self._out_sq: torch.Tensor | None = None
         self._active = False
+        self.keep_outputs = False  # also keep the per-row output gradients themselves (data-parallel merging)
+        self._out_raw: list[torch.Tensor] = []
+        self.outputs: torch.Tensor | None = None  # with keep_outputs: (B, W) those of the rows last taken
 
     @contextmanager
     def recording(self):
@@ -83,7 +88,7 @@ class RowGradients:
 
     def clear(self) -> None:
         """Forget what was recorded (a skipped step)."""
-        self._grads, self._out_sq = {}, None
+        self._grads, self._out_sq, self._out_raw = {}, None, []
 
     @property
     def width(self) -> int:
@@ -106,6 +111,7 @@ class RowGradients:
             out[:, offset : offset + p.numel()] = g.reshape(rows, -1) if g is not None else 0.0
             offset += p.numel()
         result = out, self._out_sq
+        self.outputs = torch.cat(self._out_raw, dim=1) if self.keep_outputs else None
         self.clear()
         return result
 
@@ -134,6 +140,8 @@ class RowGradients:
 
     def _output_hook(self, grad: torch.Tensor) -> None:
         sq = torch.nan_to_num(grad.float()).pow(2).reshape(grad.shape[0], -1).sum(1)
+        if self.keep_outputs:
+            self._out_raw.append(torch.nan_to_num(grad.float()).reshape(grad.shape[0], -1))
         self._out_sq = sq if self._out_sq is None else self._out_sq + sq
 
 
@@ -169,18 +177,28 @@ class NaturalGradient:
         self._turns = 0  # the minibatch's turn count (the step's scale)
         self._pending = False  # a recorded forward whose gradients are not taken yet
         self._direction: torch.Tensor | None = None  # the solved step, between clip_grad_norm() and step()
+        self._keys: torch.Tensor | None = None  # data-parallel: each row's input id, the same on every rank
+        self._outputs: list[torch.Tensor] = []  # data-parallel: the rows' output gradients c_i, per micro-batch
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the recorded per-input gradients and every accumulated gradient (also after a skipped step)."""
         self.value_optimizer.zero_grad(set_to_none=set_to_none)
         self.rows.clear()
         self._grads, self._filled, self._targets, self._pending, self._direction = None, 0, [], False, None
+        self._outputs = []
 
-    def expect(self, inputs: int, turns: int) -> None:
-        """The next step's minibatch: `inputs` distinct inputs (the rows of G), `turns` turns (the step's scale)."""
+    def expect(self, inputs: int, turns: int, keys: torch.Tensor | None = None) -> None:
+        """The next step's minibatch: `inputs` distinct inputs (the rows of G), `turns` turns (the step's scale).
+
+        Data-parallel (`keys` given): `inputs` are this rank's, `turns` the minibatch's over every rank, and `keys`
+        (inputs,) each row's input id, numbered alike on every rank in the order the rows are recorded. The step is
+        then solved over every rank's rows, an input met on several ranks merged into one row (see `_gathered`).
+        """
         self.rows.clear()
         self._grads = torch.empty(inputs, self.rows.width, device=self.params[0].device)
         self._filled, self._targets, self._turns = 0, [], turns
+        self._keys, self._outputs = keys, []
+        self.rows.keep_outputs = keys is not None
 
     @contextmanager
     def recording(self):
@@ -196,7 +214,9 @@ class NaturalGradient:
         value head's gradient norm when that is not finite (the step is then to be skipped)."""
         self._take()
         grads, targets = self._grads, torch.cat(self._targets)
-        self._grads, self._targets = None, []
+        if self._keys is not None:
+            grads, targets = self._gathered(grads)
+        self._grads, self._targets, self._outputs = None, [], []
         scale = self.param_groups[0]["lr"] * self._turns
         self._direction, norm = natural_direction(grads, targets, self.damping, scale, self.max_norm)
         value_norm = torch.nn.utils.clip_grad_norm_(self.value_params, self.max_norm)
@@ -216,8 +236,29 @@ class NaturalGradient:
         if self._pending:
             targets = self.rows.take(out=self._grads[self._filled :])[1]
             self._targets.append(targets)
+            if self._keys is not None:
+                self._outputs.append(self.rows.outputs)
             self._filled += len(targets)
             self._pending = False
+
+    def _gathered(self, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(G, t) over every rank's rows, exactly as one process would record them for the union of the ranks'
+        turns: each rank's per-input gradients and output gradients are gathered, the rows of an input met on
+        several ranks are summed (both are sums over the input's turns), and t_i = |c_i|^2 is taken after merging.
+
+        Every rank then holds the same (G, t) and solves for the same step. Cost: every rank holds all ranks' rows
+        (inputs x P floats), as a single process over the whole batch would.
+        """
+        width = max(o.shape[1] for o in self._outputs)
+        width = int(distributed.reduce_number(width, "max"))  # outputs are padded at their end: rows align
+        outputs = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1])) for o in self._outputs])
+        all_grads = distributed.all_gather_cat(grads)[0]
+        all_outputs = distributed.all_gather_cat(outputs)[0]
+        keys = distributed.all_gather_cat(self._keys.to(grads.device))[0]
+        distinct, inverse = torch.unique(keys, return_inverse=True)
+        merged = grads.new_zeros(len(distinct), grads.shape[1]).index_add_(0, inverse, all_grads)
+        merged_outputs = outputs.new_zeros(len(distinct), width).index_add_(0, inverse, all_outputs)
+        return merged, merged_outputs.pow(2).sum(1)
 
 
 def natural_coefficients(gram: torch.Tensor, targets: torch.Tensor, damping: float) -> torch.Tensor:

@@ -13,9 +13,18 @@ What one action, one reward and one value are (docs/design.md §3):
 
 Two KLs, never mixed up: `kl_ref` (policy vs reference, in the reward, adaptive coefficient) and `approx_kl`
 (new vs old policy within an update, for target-KL early stopping, checked before each optimizer step).
-The backward pass and the optimizer step live in `_backward`/`_step` alone, so data-parallel training stays a
-small step. A policy step is taken by `policy_optimizer`: the AdamW `optimizer`, or the `natural` one
+The backward pass and the optimizer step live in `_backward`/`_step` alone. A policy step is taken by
+`policy_optimizer`: the AdamW `optimizer`, or the `natural` one
 (`NaturalGradient`), called the same way (`zero_grad`, backward, clip, `step`).
+
+Data parallel (several ranks, `llamagym.distributed`; docs/scaling.md): each rank steps on its own episodes, and
+what an update reads from the whole batch is reduced so that every rank applies the update one process would on
+the union of the ranks' episodes (in rank order): the estimator's inputs are gathered (advantages, groups, the
+whitening and the running return scale are computed over every rank's turns, each rank keeping its own slice);
+loss weights are shares of the global token and row counts and gradients are summed (AdamW), or every rank's
+per-input rows gathered and merged (natural steps); the trust region's KL and surrogate, the KL controller's mean,
+the value refit's features and the replay buffer's episodes are global. `batch_size` counts each rank's episodes;
+`mini_batch_size` counts the turns of a step over all ranks. In one process every reduction is a no-op.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from contextlib import nullcontext
 
 import torch
 
+from .. import distributed
 from ..config import PPOConfig, ReplayConfig
 from ..models.policy import Policy
 from . import estimators, ppo
@@ -90,6 +100,8 @@ class PPOTrainer:
         self.skipped_steps = 0  # all skipped optimizer steps (reported as ppo/skipped_steps)
         self.consecutive_skips = 0  # skipped since the last applied step; the run stops at max_skipped_steps
         self._batch_summary = ""  # the current batch's reward/advantage/KL range, for the skip warning
+        self._input_ids: torch.Tensor | None = None  # data-parallel: local distinct input -> id shared by all ranks
+        distributed.broadcast_(list(policy.trainable_parameters()))  # every rank starts from rank 0's weights
 
     # ---- one update ------------------------------------------------------------------------------------------
     def step(self, episodes: list[Episode]) -> dict[str, float]:
@@ -116,7 +128,9 @@ class PPOTrainer:
         # step is one small move, so plain steps take several per epoch (generate mode learned with 8-turn ones).
         size = cfg.mini_batch_size or (len(turns) if natural else PLAIN_MINI_BATCH)
         self._loss_options = _loss_options(cfg, mask)
-        plans = [minibatch_indices(len(turns), size, self.generator) for _ in range(cfg.ppo_epochs)]
+        plans = self._plans(len(turns), size, whole=natural and cfg.mini_batch_size is None)
+        if distributed.is_distributed():
+            self._input_ids = _shared_input_ids(mode, turns)
 
         # 1. old log-probs and values (and, scoring, the old distributions over candidates), reference log-probs
         #    (no grad, dropout off)
@@ -134,10 +148,13 @@ class PPOTrainer:
 
         # 3. advantages: GAE across the turns of each episode (bootstrap on truncation only), or the configured
         #    estimator; critic-free ones center (and scale) their own advantages, so only value-based ones are whitened
-        advantages, returns, estimator_stats = self._advantages(episodes, rewards, old_values)
+        #    (data-parallel: over every rank's turns, in rank order; this rank keeps its own slice, `mine`)
+        scored, mine = self._advantage_batch(episodes, rewards, old_values)
+        advantages, returns, estimator_stats = self.estimator(scored, cfg.gamma, cfg.lam, cfg.group_std_scaling)
+        all_values = scored.values
         self.return_moments.update(returns)
         spread = {"adv/raw_std": _std(advantages), "adv/return_std": _std(returns), **estimator_stats}
-        if self.estimator.needs_value and cfg.whiten_advantages and len(turns) >= 2:
+        if self.estimator.needs_value and cfg.whiten_advantages and len(advantages) >= 2:
             if spread["adv/return_std"] <= 1e-6 * (1.0 + float(returns.abs().max())):
                 # every action led to the same return: nothing says one was better, and what A = R - V holds is
                 # the value head's error, which whitening would blow up into full-size steps (a solved policy
@@ -154,8 +171,8 @@ class PPOTrainer:
             old_logprobs=old_logprobs,
             old_values=old_values,
             old_dists=old_dists,
-            advantages=advantages,
-            returns=returns,
+            advantages=advantages[mine],
+            returns=returns[mine],
         )
 
         # 4. epochs x minibatches (each accumulated over micro-batches), target-KL check before each step
@@ -184,15 +201,19 @@ class PPOTrainer:
 
         # 5. refit the value head to this batch's returns (its AdamW steps alone barely move it in a few steps)
         if features is not None:
-            refit_ev = self._refit_value(features, returns)
+            refit_ev = self._refit_value(distributed.all_gather_cat(features)[0], returns)
             if math.isfinite(refit_ev):  # undefined when every return is equal
                 spread["ppo/value_refit_ev"] = refit_ev
 
         # 6. adapt the KL coefficient toward its target
-        mean_kl_ref = float(kl_ref.mean())
-        self.kl_controller.update(mean_kl_ref, len(turns))
+        if distributed.is_distributed():
+            mean_kl_ref = distributed.reduce_number(float(kl_ref.sum())) / len(returns)
+        else:
+            mean_kl_ref = float(kl_ref.mean())
+        self.kl_controller.update(mean_kl_ref, len(returns))
 
-        # 7. SFT warm-start: imitate the best episodes (and demonstrations)
+        # 7. SFT warm-start: imitate the best episodes (and demonstrations); data-parallel, every rank adds every
+        #    rank's episodes and takes the same steps
         sft_stats = self._sft(episodes) if self.replay is not None else {}
 
         self.num_updates += 1
@@ -207,21 +228,21 @@ class PPOTrainer:
                 "ppo/skipped_steps": float(self.skipped_steps),
                 "ppo/advantages_mean": float(advantages.mean()),
                 "ppo/returns_mean": float(returns.mean()),
-                "ppo/values_mean": float(old_values.mean()),
-                "ppo/num_turns": float(len(turns)),
+                "ppo/values_mean": float(all_values.mean()),
+                "ppo/num_turns": float(len(returns)),
                 "ppo/distinct_turns": float(int(data.groups.max()) + 1),
                 "ppo/num_updates": float(self.num_updates),
                 "ppo/step_scale": self.step_scale,
                 "kl/ref": mean_kl_ref,
                 "kl/coef": float(self.kl_controller.value),
-                "env/batch_return": sum(e.env_return for e in episodes) / len(episodes),
+                "env/batch_return": _batch_return(episodes),
                 "adv/returns_running_std": self.return_moments.std,
                 **spread,
                 "time/update_s": time.perf_counter() - start,
                 **sft_stats,
             }
         )
-        explained = float(ppo.explained_variance(old_values, returns, torch.ones_like(returns)))
+        explained = float(ppo.explained_variance(all_values, returns, torch.ones_like(returns)))
         if math.isfinite(explained):  # undefined when every return is equal: left out, so metrics stay strict JSON
             result["ppo/explained_variance"] = explained
         return result
@@ -241,6 +262,21 @@ class PPOTrainer:
                 self.num_updates + 1,
                 cfg.anneal_updates,
             )
+
+    def _plans(self, n: int, size: int, whole: bool) -> list[list[torch.Tensor]]:
+        """Each epoch's minibatches: a shuffled partition of the batch's `n` turns into chunks of `size` (the whole
+        batch when `whole`).
+
+        Data-parallel, every rank must take the same number of steps: the minibatch has `size` turns over all
+        ranks, so each rank splits its own turns into ceil(all turns / size) near-equal chunks (no more than the
+        fewest turns a rank has; one when `whole`).
+        """
+        epochs = self.config.ppo_epochs
+        if not distributed.is_distributed():
+            return [minibatch_indices(n, size, self.generator) for _ in range(epochs)]
+        total, fewest = distributed.reduce_number(n), distributed.reduce_number(n, "min")
+        chunks = 1 if whole else max(1, min(math.ceil(total / size), int(fewest)))
+        return [list(torch.randperm(n, generator=self.generator).tensor_split(chunks)) for _ in range(epochs)]
 
     def _evaluate(self, data: UpdateBatch, part, with_entropy: bool = False, watch=None, reference: bool = False):
         """The `modes.Evaluation` (log-probs, mask, values, entropy, distributions) of the actions of rows `part`
@@ -309,12 +345,18 @@ class PPOTrainer:
         the accumulated gradient equals that of the whole minibatch at once.
         """
         cfg, mask, groups = self.config, data.mask, data.groups
-        total_tokens, total_rows = mask[index].sum(), len(index)
+        # data-parallel: shares of the minibatch's tokens and rows over every rank, so the summed gradient is its own
+        total_tokens, total_rows = distributed.all_reduce(mask[index].sum()), int(distributed.reduce_number(len(index)))
         sums: dict[str, float] = defaultdict(float)
         natural = self.policy_optimizer if isinstance(self.policy_optimizer, NaturalGradient) else None
+        micro = self._micro(groups, index)
         if natural is not None:  # its per-input gradients are recorded by hooks set in the forward pass
-            natural.expect(inputs=len(torch.unique(groups[index])), turns=len(index))
-        for part in self._micro(groups, index):
+            keys = None
+            if self._input_ids is not None:  # the rows' shared ids, in the order the micro-batches record them
+                keys = torch.cat([self._input_ids[torch.unique(groups[part])] for part in micro])
+            natural.expect(inputs=len(torch.unique(groups[index])), turns=total_rows, keys=keys)
+        finite = True
+        for part in micro:
             with natural.recording() if natural is not None else nullcontext() as watch:
                 logprobs, part_mask, values, entropy, _ = self._evaluate(data, part, True, watch=watch)
             old = data.old_logprobs[part, : logprobs.shape[1]]
@@ -334,7 +376,8 @@ class PPOTrainer:
             pg_term = pg_loss if cfg.loss_aggregation == "token_mean" else pg_loss * (row_share / token_share)
             loss = (pg_term - cfg.ent_coef * entropy) * token_share + cfg.vf_coef * v_loss * row_share
             if not self._backward(loss):
-                return None
+                finite = False
+                break
             for key, value, share in (
                 ("ppo/policy_loss", pg_loss, pg_share),
                 ("ppo/value_loss", v_loss, row_share),
@@ -346,7 +389,14 @@ class PPOTrainer:
                 ("ppo/loss", loss, 1.0),
             ):
                 sums[key] += float(value.detach() * share)
-        return dict(sums)
+        if distributed.is_distributed():  # every rank skips the step together, and reports the minibatch's stats
+            if not distributed.all_true(finite):
+                if finite:
+                    self.policy_optimizer.zero_grad(set_to_none=True)
+                    self._skip("a non-finite loss on another rank")
+                return None
+            return distributed.reduce_dict(dict(sums))
+        return dict(sums) if finite else None
 
     @torch.no_grad()
     def _measure(self, data: UpdateBatch, index: torch.Tensor, surrogate_before: float):
@@ -358,7 +408,7 @@ class PPOTrainer:
         "Below" allows 0.1% of the mean |advantage|: under bf16 a tiny step moves log-probs by rounding as much as
         by the step, and a stricter test rejected such steps at random, halving the step size each time.
         """
-        kls, surrogate, tokens = [], 0.0, data.mask[index].sum()
+        kls, surrogate, tokens = [], 0.0, distributed.all_reduce(data.mask[index].sum())
         for part in self._micro(data.groups, index):
             now = self._evaluate(data, part)
             logprobs, part_mask = now.logprobs, now.mask
@@ -367,6 +417,18 @@ class PPOTrainer:
             part_advantages = data.advantages[part].unsqueeze(-1).expand_as(old)
             surrogate += float(_surrogate(logprobs, old, part_advantages, part_mask) * part_mask.sum() / tokens)
         kl = torch.cat(kls)
+        if distributed.is_distributed():  # over every rank's turns, so that all ranks keep or undo the same step
+            total = distributed.reduce_dict(
+                {
+                    "kl": float(kl.sum()),
+                    "turns": len(kl),
+                    "surrogate": surrogate,
+                    "adv": float(data.advantages[index].abs().sum()),
+                }
+            )
+            kl_max = distributed.reduce_number(float(kl.max()), "max")
+            tolerance = 1e-3 * total["adv"] / total["turns"] + 1e-7
+            return total["kl"] / total["turns"], kl_max, total["surrogate"] >= surrogate_before - tolerance
         tolerance = 1e-3 * float(data.advantages[index].abs().mean()) + 1e-7
         return float(kl.mean()), float(kl.max()), surrogate >= surrogate_before - tolerance
 
@@ -376,13 +438,23 @@ class PPOTrainer:
 
     @torch.no_grad()
     def _advantages(self, episodes: list[Episode], rewards: torch.Tensor, values: torch.Tensor) -> estimators.Estimate:
-        """The configured estimator's (advantages, returns, stats) over the batch's turns (`PPOConfig.advantage`).
+        """The configured estimator's (advantages, returns, stats) over the batch's turns (`PPOConfig.advantage`):
+        over every rank's turns, data-parallel (see `_advantage_batch`)."""
+        batch = self._advantage_batch(episodes, rewards, values)[0]
+        return self.estimator(batch, self.config.gamma, self.config.lam, self.config.group_std_scaling)
+
+    @torch.no_grad()
+    def _advantage_batch(self, episodes: list[Episode], rewards: torch.Tensor, values: torch.Tensor):
+        """(the estimator's `AdvantageBatch`, mine): the batch's turns, and the slice of them that is this rank's.
 
         Value-based estimators (gae) get the bootstrap values of truncated episodes: V of their next prompt, or of
         their last state when they have none. Every estimator gets each episode's group (`episode_groups`) and each
         turn's step key, an id of its prompt (`distinct_prompts`).
+
+        Data-parallel, the estimator runs on every rank's turns at once (gathered in rank order, groups and step
+        keys numbered over all of them), so a group split across ranks is one group, as in one process.
         """
-        device, cfg = rewards.device, self.config
+        device = rewards.device
         counts = torch.tensor([len(e.turns) for e in episodes])
         bootstrap = None
         if self.estimator.needs_value:
@@ -397,16 +469,30 @@ class PPOTrainer:
             for i, episode in enumerate(episodes):
                 if episode.truncated and not episode.bootstrap_prompt_ids:  # no next state: bootstrap from V(s_T-1)
                     bootstrap[i] = values[last[i]]
+        terminal = torch.tensor([not e.truncated for e in episodes], device=device)
+        group_keys = [_group_key(e) for e in episodes]
+        step_keys = [tuple(turn.prompt_ids) for episode in episodes for turn in episode.turns]
+        mine = slice(0, len(rewards))
+        if distributed.is_distributed():
+            parts = distributed.all_gather_objects((group_keys, step_keys))
+            group_keys = [key for keys, _ in parts for key in keys]
+            step_keys = [key for _, keys in parts for key in keys]
+            rewards, sizes = distributed.all_gather_cat(rewards)
+            values, counts, terminal = (distributed.all_gather_cat(x)[0] for x in (values, counts, terminal))
+            if bootstrap is not None:
+                bootstrap = distributed.all_gather_cat(bootstrap)[0]
+            start = sum(sizes[: distributed.rank()])
+            mine = slice(start, start + sizes[distributed.rank()])
         batch = estimators.AdvantageBatch(
             rewards=rewards,
-            episode=torch.repeat_interleave(torch.arange(len(episodes)), counts).to(device),
-            terminal=torch.tensor([not e.truncated for e in episodes], device=device),
-            group=episode_groups(episodes).to(device),
+            episode=torch.repeat_interleave(torch.arange(len(counts)), counts.cpu()).to(device),
+            terminal=terminal,
+            group=_numbered(group_keys).to(device),
             values=values,
             bootstrap=bootstrap,
-            step_key=distinct_prompts([turn for episode in episodes for turn in episode.turns]).to(device),
+            step_key=_numbered(step_keys).to(device),
         )
-        return self.estimator(batch, cfg.gamma, cfg.lam, cfg.group_std_scaling)
+        return batch, mine
 
     def _backward(self, loss: torch.Tensor) -> bool:
         """Accumulate the gradient of `loss`; a non-finite loss clears the accumulated gradients instead."""
@@ -424,6 +510,10 @@ class PPOTrainer:
         gradients to solve with.
         """
         optimizer = self.optimizer if plain else self.policy_optimizer
+        if not plain:  # data-parallel: sum the ranks' gradients (natural steps gather their per-input rows instead)
+            natural = optimizer is not self.optimizer
+            params = optimizer.value_params if natural else list(self.policy.trainable_parameters())
+            distributed.all_reduce_grads(params)
         if optimizer is self.optimizer:
             norm = torch.nn.utils.clip_grad_norm_(self.policy.trainable_parameters(), self.config.max_grad_norm)
         else:
@@ -458,11 +548,15 @@ class PPOTrainer:
 
     def _sft(self, episodes: list[Episode]) -> dict[str, float]:
         """Add this batch's best episodes to the replay buffer and take the supervised steps."""
+        generator = self.generator
+        if distributed.is_distributed():  # every rank holds every rank's episodes and draws the same turns
+            episodes = [e for part in distributed.all_gather_objects(episodes) for e in part]
+            generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.num_updates)
         added = self.replay.add_batch(episodes)
         cfg, losses = self.replay.config, []
         sft_stats: dict[str, list[float]] = defaultdict(list)
         for _ in range(cfg.sft_steps):
-            turns = self.replay.sample_turns(cfg.sft_batch_size, self.generator)
+            turns = self.replay.sample_turns(cfg.sft_batch_size, generator)
             if not turns:
                 break
             batch = collate(turns, self.pad_token_id, self.policy.device)
@@ -510,16 +604,44 @@ def distinct_prompts(turns: list[Turn]) -> torch.Tensor:
     Unlike the action mode's `distinct_inputs` the reply is left out: turns that answered the same prompt differently
     share an id.
     """
-    ids: dict[tuple, int] = {}
-    return torch.tensor([ids.setdefault(tuple(turn.prompt_ids), len(ids)) for turn in turns], dtype=torch.long)
+    return _numbered([tuple(turn.prompt_ids) for turn in turns])
 
 
 def episode_groups(episodes: list[Episode]) -> torch.Tensor:
     """(E,) group id of each episode, numbered by first appearance: its `group` when set, else its first prompt
     (episodes that start from the same observation form one group, as GRPO's samples of one question do)."""
-    ids: dict[tuple, int] = {}
-    keys = [("group", e.group) if e.group is not None else ("prompt", tuple(e.turns[0].prompt_ids)) for e in episodes]
+    return _numbered([_group_key(e) for e in episodes])
+
+
+def _group_key(episode: Episode) -> tuple:
+    """What makes episodes one group: their `group` when set, else their first prompt."""
+    return ("group", episode.group) if episode.group is not None else ("prompt", tuple(episode.turns[0].prompt_ids))
+
+
+def _numbered(keys: list) -> torch.Tensor:
+    """(len(keys),) long: each key's number by first appearance."""
+    ids: dict = {}
     return torch.tensor([ids.setdefault(key, len(ids)) for key in keys], dtype=torch.long)
+
+
+def _shared_input_ids(mode, turns: list[Turn]) -> torch.Tensor:
+    """Data-parallel: (this rank's distinct inputs,) the id of each of its inputs (numbered as `distinct_inputs`
+    numbers them) among every rank's, numbered by first appearance in rank order: an input met on two ranks gets
+    one id on both (natural steps merge its rows)."""
+    local: dict = {}
+    for turn in turns:
+        local.setdefault(mode.input_key(turn), len(local))
+    ids: dict = {}
+    shared = [[ids.setdefault(key, len(ids)) for key in keys] for keys in distributed.all_gather_objects(list(local))]
+    return torch.tensor(shared[distributed.rank()], dtype=torch.long)
+
+
+def _batch_return(episodes: list[Episode]) -> float:
+    """The mean env return of the batch's episodes (over every rank's, data-parallel)."""
+    if not distributed.is_distributed():
+        return sum(e.env_return for e in episodes) / len(episodes)
+    total = distributed.reduce_dict({"return": sum(e.env_return for e in episodes), "count": len(episodes)})
+    return total["return"] / total["count"]
 
 
 def _loss_options(config: PPOConfig, mask: torch.Tensor) -> dict:
@@ -529,7 +651,8 @@ def _loss_options(config: PPOConfig, mask: torch.Tensor) -> dict:
         options["clip_coef_high"] = config.clip_coef_high
     if config.loss_aggregation != "token_mean":
         options["aggregation"] = config.loss_aggregation
-        options["max_length"] = int(mask.sum(-1).max())  # Dr.GRPO's constant: the batch's longest reply
+        # Dr.GRPO's constant: the batch's longest reply (over every rank's)
+        options["max_length"] = int(distributed.reduce_number(int(mask.sum(-1).max()), "max"))
     return options
 
 

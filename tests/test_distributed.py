@@ -1,0 +1,144 @@
+"""Data-parallel updates on CPU (gloo, 2 processes, 1 thread each): the same parameters as one process on the union.
+
+Each test spawns two ranks with `torch.multiprocessing` on a gloo group (file rendezvous in tmp_path, a short
+timeout). Rank 0 gets the first 5 of the 12 episodes of `test_update_pinned.episodes`, rank 1 the other 7; the
+reference is one process updating on all 12 in that order. Both paths are whole-batch steps, so one process's
+minibatch is the union of the ranks' ones: the default scored path (natural-gradient steps in the KL trust region,
+then the value refit; the 5 distinct inputs occur on both ranks, so their per-input rows are merged across ranks)
+and a generate-mode AdamW path (mini_batch_size larger than the batch) with GRPO groups that span both ranks.
+"""
+
+import datetime
+import os
+import pickle
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from llamagym import distributed
+from llamagym.algos.trainer import PPOTrainer
+from llamagym.config import PPOConfig
+from llamagym.models.policy import Policy
+from llamagym.models.tiny_random import build_tiny_model, build_tiny_tokenizer
+from tests.test_update_pinned import episodes
+
+SPLIT = 5  # rank 0's episodes; rank 1 gets the rest
+CONFIGS = {
+    "score-natural": (True, {}),
+    "generate-adamw-grpo": (False, {"mini_batch_size": 1000, "advantage": "grpo"}),
+}
+
+
+def lora():
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], bias="none", lora_dropout=0.0, init_lora_weights=False
+    )
+
+
+def updated(name: str, batches) -> list[torch.Tensor]:
+    """The trainable parameters after one update per batch of episodes (this rank's share, data-parallel)."""
+    scored, options = CONFIGS[name]
+    tokenizer = build_tiny_tokenizer()
+    torch.manual_seed(distributed.rank())  # ranks start from different weights: the trainer broadcasts rank 0's
+    policy = Policy(build_tiny_model(tokenizer, seed=0), lora(), precision="fp32")
+    if distributed.rank() == 0:
+        torch.manual_seed(0)
+        policy = Policy(build_tiny_model(tokenizer, seed=0), lora(), precision="fp32")
+    trainer = PPOTrainer(policy, PPOConfig(seed=0, **options), tokenizer.pad_token_id)
+    for batch in batches:
+        trainer.step(batch)
+    params = [p.detach().clone() for p in policy.trainable_parameters()]
+    distributed.assert_in_sync(params)
+    return params
+
+
+def shares(scored: bool) -> list[list]:
+    """Two updates' episodes: the whole batches, in order."""
+    return [episodes(scored, seed=update) for update in range(2)]
+
+
+def _join(rank: int, world: int, init_file: str, timeout_s: float = 30.0) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def _update_worker(rank: int, init_file: str, out_dir: str) -> None:
+    _join(rank, 2, init_file)
+    try:
+        for name, (scored, _) in CONFIGS.items():
+            mine = [batch[:SPLIT] if rank == 0 else batch[SPLIT:] for batch in shares(scored)]
+            params = updated(name, mine)
+            if rank == 0:
+                torch.save(params, os.path.join(out_dir, f"{name}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _dead_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
+    _join(rank, 2, init_file, timeout_s=10.0)
+    tokenizer = build_tiny_tokenizer()
+    torch.manual_seed(0)
+    policy = Policy(build_tiny_model(tokenizer, seed=0), lora(), precision="fp32")
+    trainer = PPOTrainer(policy, PPOConfig(seed=0), tokenizer.pad_token_id)
+    if rank == 1:
+        os._exit(0)  # dies before the update's first collective
+    start = time.perf_counter()
+    try:
+        trainer.step(episodes(True, seed=0)[:SPLIT])
+        outcome = ("no error", 0.0)
+    except Exception as error:  # noqa: BLE001 (the test inspects it)
+        outcome = (f"{type(error).__name__}: {error}", time.perf_counter() - start)
+    with open(os.path.join(out_dir, "outcome.pkl"), "wb") as handle:
+        pickle.dump(outcome, handle)
+
+
+def _spawn(worker, tmp_path) -> None:
+    mp.spawn(worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2, join=True)
+
+
+def test_two_ranks_update_as_one_process_on_the_union(tmp_path):
+    _spawn(_update_worker, tmp_path)
+    for name, (scored, _) in CONFIGS.items():
+        expected = updated(name, shares(scored))
+        actual = torch.load(tmp_path / f"{name}.pt")
+        before_step = Policy(build_tiny_model(build_tiny_tokenizer(), seed=0), lora(), precision="fp32")
+        assert any(not torch.equal(a, b) for a, b in zip(actual, before_step.trainable_parameters(), strict=True))
+        for a, e in zip(actual, expected, strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_dead_rank_ends_the_update_with_a_clear_error(tmp_path):
+    _spawn(_dead_rank_worker, tmp_path)
+    message, waited = pickle.loads((tmp_path / "outcome.pkl").read_bytes())
+    assert message.startswith("DistributedError"), message
+    assert "last checkpoint is intact" in message and "--resume" in message
+    assert waited < 15.0
+
+
+def test_one_process_collectives_are_no_ops():
+    assert not distributed.is_distributed() and distributed.world_size() == 1 and distributed.rank() == 0
+    x = torch.arange(3.0)
+    assert distributed.all_reduce(x) is x
+    assert distributed.all_gather_cat(x) == (x, [3])
+    assert distributed.reduce_number(2.5) == 2.5 and distributed.all_gather_objects("a") == ["a"]
+    assert distributed.all_true(True) and not distributed.all_true(False)
+
+
+@pytest.mark.parametrize("env", [{}, {"WORLD_SIZE": "1"}])
+def test_no_group_is_created_outside_a_launcher(monkeypatch, env):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert distributed.init_from_env() is False
+    assert not dist.is_initialized()
