@@ -20,6 +20,7 @@ import os
 import time
 from pathlib import Path
 
+from . import distributed
 from .agent.checkpoint import CheckpointError, resolve_checkpoint
 
 METRICS = "metrics.jsonl"
@@ -38,6 +39,9 @@ class RunLog:
     - `checkpoint/`: `save(agent, **state)` writes the agent's crash-safe checkpoint with the loop's `state`
       (anything picklable: envs, observations, lists of returns) plus `updates` and `elapsed`; `load(agent)`
       restores the agent, the update count and the clock, and returns that state.
+    - Data-parallel (several ranks, docs/scaling.md): every rank makes the same calls; rank 0 alone writes
+      `metrics.jsonl`, W&B and the checkpoint (into which every rank's own state goes, see `Agent.save`), and every
+      rank loads the same checkpoint.
 
     Attributes:
         dir: the output folder.
@@ -61,7 +65,9 @@ class RunLog:
         self._elapsed_before = 0.0  # seconds the run had trained before this process (from the checkpoint)
         self._started: float | None = None
         self._metrics = None
-        self._wandb = _start_wandb(config) if wandb or os.environ.get("WANDB_PROJECT") else None
+        self.writes = distributed.is_main()  # data-parallel: rank 0 alone writes
+        wanted = wandb or os.environ.get("WANDB_PROJECT")
+        self._wandb = _start_wandb(config) if wanted and self.writes else None
 
     @property
     def elapsed(self) -> float:
@@ -92,13 +98,15 @@ class RunLog:
     def start(self) -> None:
         """Start (or, after `load`, continue) the clock and open `metrics.jsonl`, keeping the lines of the first
         `updates` updates only: call it just before the loop. `log` calls it if the loop did not."""
+        self._started = time.time() - self._elapsed_before
+        if not self.writes:
+            return
         path = self.dir / METRICS
         kept = path.read_text().splitlines()[: self.updates] if self.updates and path.exists() else []
         path.write_text("".join(line + "\n" for line in kept))
         if self._metrics is not None:
             self._metrics.close()
         self._metrics = open(path, "a")  # noqa: SIM115 (open for the run's length; `close` closes it)
-        self._started = time.time() - self._elapsed_before
 
     def log(self, stats: dict) -> dict:
         """Record one update's `stats` (a flat dict of numbers): stamped with `update` (its number, from 1, going
@@ -106,12 +114,13 @@ class RunLog:
 
         Returns the stamped stats.
         """
-        if self._metrics is None:
+        if self._started is None:
             self.start()
         self.updates += 1
         stats = {**stats, "update": self.updates, "elapsed_s": self.elapsed}
-        self._metrics.write(json.dumps(stats) + "\n")
-        self._metrics.flush()
+        if self._metrics is not None:
+            self._metrics.write(json.dumps(stats) + "\n")
+            self._metrics.flush()
         if self._wandb is not None:
             self._wandb.log(stats, step=self.updates)
         return stats

@@ -85,22 +85,64 @@ def _update_worker(rank: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+def _agent():
+    from llamagym.envs.blackjack import BlackjackAgent
+
+    tokenizer = build_tiny_tokenizer()
+    return BlackjackAgent(
+        build_tiny_model(tokenizer, seed=0),
+        tokenizer,
+        ppo_config=PPOConfig(seed=0),
+        precision="fp32",
+        lora_config=lora(),
+    )
+
+
+def _mine(batch: list, rank: int) -> list:
+    return batch[:SPLIT] if rank == 0 else batch[SPLIT:]
+
+
+def _params(agent) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in agent.policy.trainable_parameters()]
+
+
 def _dead_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
     _join(rank, 2, init_file, timeout_s=10.0)
-    tokenizer = build_tiny_tokenizer()
-    torch.manual_seed(0)
-    policy = Policy(build_tiny_model(tokenizer, seed=0), lora(), precision="fp32")
-    trainer = PPOTrainer(policy, PPOConfig(seed=0), tokenizer.pad_token_id)
+    agent = _agent()
+    agent.save(os.path.join(out_dir, "checkpoint"), extra={"note": rank})
     if rank == 1:
-        os._exit(0)  # dies before the update's first collective
+        os._exit(0)  # dies before the next update's first collective
     start = time.perf_counter()
     try:
-        trainer.step(episodes(True, seed=0)[:SPLIT])
+        agent.batch = _mine(episodes(True, seed=0), rank)
+        agent.train()
         outcome = ("no error", 0.0)
     except Exception as error:  # noqa: BLE001 (the test inspects it)
         outcome = (f"{type(error).__name__}: {error}", time.perf_counter() - start)
     with open(os.path.join(out_dir, "outcome.pkl"), "wb") as handle:
         pickle.dump(outcome, handle)
+
+
+def _resume_worker(rank: int, init_file: str, out_dir: str) -> None:
+    """One update, a checkpoint, a second update; then a fresh agent resumes and makes the second update again."""
+    _join(rank, 2, init_file)
+    checkpoint = os.path.join(out_dir, "checkpoint")
+    agent = _agent()
+    agent.batch = _mine(episodes(True, seed=0), rank)
+    agent.train()
+    agent.save(checkpoint, extra={"note": rank})
+    agent.batch = _mine(episodes(True, seed=1), rank)
+    stats = agent.train()
+    straight = (_params(agent), torch.rand(3))
+    torch.manual_seed(100 + rank)
+    resumed = _agent()
+    extra = resumed.load(checkpoint)
+    resumed.batch = _mine(episodes(True, seed=1), rank)
+    resumed.train()
+    again = (_params(resumed), torch.rand(3))
+    distributed.assert_in_sync(again[0])
+    torch.save({"straight": straight, "again": again, "extra": extra, "stats": stats}, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
 
 
 def _spawn(worker, tmp_path) -> None:
@@ -124,6 +166,21 @@ def test_a_dead_rank_ends_the_update_with_a_clear_error(tmp_path):
     assert message.startswith("DistributedError"), message
     assert "last checkpoint is intact" in message and "--resume" in message
     assert waited < 15.0
+    extra = _agent().load(tmp_path / "checkpoint")  # intact; one process continues rank 0's part
+    assert extra == {"note": 0}
+
+
+def test_a_two_rank_run_resumes_exactly_from_rank_0s_checkpoint(tmp_path):
+    _spawn(_resume_worker, tmp_path)
+    results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    for rank, result in enumerate(results):
+        assert result["extra"] == {"note": rank}  # each rank got its own part back
+        for a, b in zip(result["straight"][0], result["again"][0], strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(result["straight"][1], result["again"][1])  # its own RNG state, restored
+        assert result["stats"]["dist/sampling_seed"] == rank and result["stats"]["dist/world_size"] == 2
+    assert not torch.equal(results[0]["again"][1], results[1]["again"][1])  # the ranks sample differently
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint")] == ["checkpoint"]
 
 
 def test_one_process_collectives_are_no_ops():

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .. import distributed
 from ..algos.rollout import Episode, Turn
 from ..algos.trainer import PPOTrainer
 from ..config import PPOConfig, ReplayConfig
@@ -25,7 +26,7 @@ from ..models.policy import Policy
 from ..models.registry import find_model_spec
 from . import demos
 from .chat import ChatFormatter, Message
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .choosing import Actor, decide, eos_ids, generation_settings
 from .running_episodes import Slot, episodes_state, load_episodes_state
 
@@ -106,6 +107,7 @@ class Agent(ABC):
             raise ValueError("`fallback_action` should be a valid action of your env (it replaces unparsable replies).")
         if not isinstance(format_penalty, (int, float)) or not math.isfinite(format_penalty) or format_penalty < 0:
             raise ValueError(f"`format_penalty` should be a finite number >= 0. Received {format_penalty!r}.")
+        distributed.init_from_env()  # under a launcher (WORLD_SIZE > 1): join its process group; else nothing
         self.ppo_config = ppo_config or PPOConfig()
         if use_target_kl is not None:  # a copy: the caller's config object is left as it was
             self.ppo_config = dataclasses.replace(self.ppo_config, use_target_kl=bool(use_target_kl))
@@ -136,6 +138,11 @@ class Agent(ABC):
         self.policy.temperature = self.generation["temperature"]
         replay_config = (replay_config or ReplayConfig()) if sft_warm_start else None
         self.trainer = PPOTrainer(self.policy, self.ppo_config, self.pad_token_id, replay_config)
+        # data-parallel: each rank samples with its own seed, PPOConfig.seed + rank (reported as dist/sampling_seed)
+        self.sampling_seed = None
+        if distributed.is_distributed():
+            self.sampling_seed = self.ppo_config.seed + distributed.rank()
+            torch.manual_seed(self.sampling_seed)
         self.fallback_action = fallback_action
         self.format_penalty = float(format_penalty)
         self.action_space = action_space
@@ -326,6 +333,14 @@ class Agent(ABC):
         episodes, self.batch = self.batch, []
         stats = self.trainer.step(episodes)
         stats["agent/batch_invalid_action_rate"] = _mean(not t.valid for e in episodes for t in e.turns)
+        if self.sampling_seed is not None:
+            stats.update(
+                {
+                    "dist/world_size": float(distributed.world_size()),
+                    "dist/rank": float(distributed.rank()),
+                    "dist/sampling_seed": float(self.sampling_seed),
+                }
+            )
         return stats
 
     @contextlib.contextmanager
@@ -372,16 +387,43 @@ class Agent(ABC):
     # ---- persistence -----------------------------------------------------------------------------------------
     def save(self, directory: str | Path, extra: dict | None = None) -> Path:
         """Write a crash-safe checkpoint: adapter, value head, optimizer, KL controller, replay buffer, counters,
-        running and untrained episodes, RNG states and `extra` (see `llamagym.agent.checkpoint`)."""
-        return save_checkpoint(self, directory, extra)
+        running and untrained episodes, RNG states and `extra` (see `llamagym.agent.checkpoint`).
+
+        Data-parallel, every rank calls it: rank 0 alone writes, with every rank's own part (its `state_dict()`,
+        RNG states and `extra`) inside, while the others wait; `load` gives each rank its part back.
+        """
+        if not distributed.is_distributed():
+            return save_checkpoint(self, directory, extra)
+        ranks = distributed.all_gather_objects({"agent": self.state_dict(), "rng": rng_state(), "extra": extra or {}})
+        if distributed.is_main():
+            save_checkpoint(self, directory, {**(extra or {}), RANKS_KEY: ranks})
+        distributed.barrier()
+        return Path(directory)
 
     def load(self, directory: str | Path, restore_rng: bool = True, restore_episodes: bool = True) -> dict:
         """Resume from a checkpoint written by `save` (same base model); returns its `extra` dict.
 
         With `restore_episodes` the running episodes continue where they were (restore your envs too, e.g.
         from `extra`); without it they are discarded. Finished, untrained episodes are restored either way.
+
+        Data-parallel, every rank loads the same checkpoint and continues from its own part of it (see `save`); it
+        must have been written by as many ranks. One process loading a data-parallel checkpoint continues rank 0's.
         """
-        return load_checkpoint(self, directory, restore_rng, restore_episodes)
+        extra = load_checkpoint(self, directory, restore_rng, restore_episodes)
+        ranks = extra.pop(RANKS_KEY, None)
+        if not distributed.is_distributed():
+            return extra
+        if ranks is None or len(ranks) != distributed.world_size():
+            written = len(ranks) if ranks is not None else 1
+            raise CheckpointError(
+                f"{directory} was written by {written} rank(s) but this run has {distributed.world_size()}: each rank "
+                f"resumes its own envs and episodes. Resume with --num_processes {written}, or start a new run."
+            )
+        own = ranks[distributed.rank()]
+        self.load_state_dict(own["agent"], restore_episodes)
+        if restore_rng:
+            set_rng_state(own["rng"])
+        return own["extra"]
 
     def state_dict(self) -> dict:
         """What a resumed run needs besides the policy's weights (`Policy.save`) and the RNG states: the trainer's
@@ -427,6 +469,7 @@ class Agent(ABC):
 
 
 _EMPTY_USER: Message = {"role": "user", "content": ""}
+RANKS_KEY = "llamagym_ranks"  # a data-parallel checkpoint's `extra`: every rank's own part (see `Agent.save`)
 
 
 def _mean(values) -> float:
