@@ -10,6 +10,9 @@ Smoke run (seconds, tiny random model):  python examples/blackjack.py --model ti
 Sanity run (embedded SmolLM2-135M):     python examples/blackjack.py --episodes 5
 Full run (see the README's Results):     python examples/blackjack.py --seed 0
 Continue a stopped or killed run:        python examples/blackjack.py --seed 0 --resume
+Data-parallel, 2 processes (docs/scaling.md):
+    accelerate launch --cpu --num_processes 2 examples/blackjack.py --model tiny-random --episodes 64 --batch-size 16
+    --device cpu   (each rank plays its own hands; --batch-size is per rank; rank 0 writes the outputs)
 (checkpoints hold the envs mid-hand and the agent's running episodes: the resumed run matches an uninterrupted one)
 """
 
@@ -23,7 +26,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from llamagym import PPOConfig, ReplayConfig, load_model_and_tokenizer
+from llamagym import PPOConfig, ReplayConfig, distributed, load_model_and_tokenizer
 from llamagym.envs.blackjack import (
     STATES,
     BlackjackAgent,  # its prompts, reply parsing and action names; context_turns = 0 (Markov, evaluable exactly)
@@ -171,7 +174,7 @@ def envs_to_play(args, agent, state: dict, episodes_done: int):
         return state["envs"], state["observations"], state["next_seed"]
     agent.abort_episodes()  # no envs to continue the running episodes with (a fresh run: a no-op)
     envs = [gym.make("Blackjack-v1", natural=False, sab=False) for _ in range(min(args.num_envs, args.episodes))]
-    seed = args.seed * 10**7 + episodes_done
+    seed = args.seed * 10**7 + distributed.rank() * 10**6 + episodes_done  # each rank plays its own hands
     return envs, [e.reset(seed=seed + i)[0] for i, e in enumerate(envs)], seed + len(envs)
 
 
@@ -202,22 +205,26 @@ def main():
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    run = RunLog(args.output_dir, wandb=args.wandb, config=vars(args))
+    run = RunLog(args.output_dir, wandb=args.wandb, config=vars(args))  # joins a launcher's ranks, if any
+    main_rank, ranks = distributed.is_main(), distributed.world_size()
+    if ranks > 1 and not args.max_updates:  # every rank must make as many updates: count updates, not hands
+        args.max_updates = max(1, args.episodes // args.batch_size)
     agent = make_agent(args)
     state = resume(agent, run, missing_ok=not args.resume) if args.resume or args.eval_only else {}
     returns, invalid = state.get("returns", []), state.get("invalid", [])  # per hand: its return, its invalid replies
     if args.eval_only:
         print(json.dumps(evaluate(agent, args, run.dir, returns)["exact"], indent=2))
         return run.close()
-    if not returns:
+    if not returns and main_rank:
         before = evaluate(agent, args, run.dir, returns, name="eval_before")["exact"]["expected_return"]
         print(f"exact expected return before training: {before:+.4f}")
     envs, obs, next_seed = envs_to_play(args, agent, state, len(returns))
 
     # ---- the RL loop: N envs side by side, one batched forward pass per step ----
     run.start()
-    progress, stopped = tqdm(total=args.episodes, initial=len(returns), desc="blackjack"), False
-    while len(returns) < args.episodes and not stopped:
+    progress = tqdm(total=args.episodes, initial=len(returns), desc="blackjack", disable=not main_rank)
+    stopped = False
+    while (len(returns) < args.episodes or ranks > 1) and not stopped:
         actions = agent.act_batch(obs)
         results = [e.step(a) for e, a in zip(envs, actions, strict=True)]  # (obs, reward, terminated, truncated, info)
         agent.assign_rewards([r[1] for r in results])
@@ -242,6 +249,8 @@ def main():
         run.log({**agent.train(), "episodes": len(returns)})
     progress.close()
     if stopped:
+        if not main_rank:
+            return run.close()
         print(f"stopped after {run.updates} updates ({len(returns)} episodes); continue with --resume")
         return run.close()
 

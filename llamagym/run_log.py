@@ -65,6 +65,7 @@ class RunLog:
         self._elapsed_before = 0.0  # seconds the run had trained before this process (from the checkpoint)
         self._started: float | None = None
         self._metrics = None
+        distributed.init_from_env()  # under a launcher (WORLD_SIZE > 1): join its process group; else nothing
         self.writes = distributed.is_main()  # data-parallel: rank 0 alone writes
         wanted = wandb or os.environ.get("WANDB_PROJECT")
         self._wandb = _start_wandb(config) if wanted and self.writes else None
