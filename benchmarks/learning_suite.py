@@ -212,9 +212,17 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
             last_eval = clock["train"]
     progress.close()
     final = record()
+    s_per_update = float(np.mean(update_s)) if update_s else None
+    return run_record(game, mode, seed, curve, final, clock, invalid_train, s_per_update, log)
+
+
+def run_record(game, mode: str, seed: int, curve, final: dict, clock: dict, invalid_train, s_per_update, log) -> dict:
+    """One run's entry in results.json: its scores (before, best, final, time to each threshold), its cost and its
+    curve and per-update log (`curve`: the evaluations; `final`: the last one's figures; `clock`: train and eval
+    seconds, updates, episodes)."""
     scores = [p["normalised"] for p in curve]
     return {
-        "game": game_name,
+        "game": game.name,
         "mode": mode,
         "seed": seed,
         "measure": game.measure,
@@ -226,7 +234,7 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
         "invalid_final": final.get("invalid_rate"),
         "updates": clock["updates"],
         "episodes": clock["episodes"],
-        "s_per_update": float(np.mean(update_s)) if update_s else None,
+        "s_per_update": s_per_update,
         "train_s": clock["train"],
         "eval_s": clock["eval"],
         "peak_rss_gib": peak_rss_gib(),
@@ -241,7 +249,7 @@ def _child(connection, game_name, mode, seed, args):
         if mode == "generate-trl":
             from learning_suite_trl import train_trl
 
-            connection.send(train_trl(game_name, seed, args, peak_rss_gib, THRESHOLDS))
+            connection.send(train_trl(game_name, seed, args, run_record))
         else:
             connection.send(train(game_name, mode, seed, args))
     except BaseException as err:  # report any failure to the parent, which records it and goes on

@@ -14,7 +14,7 @@ import os
 import time
 
 
-def train_trl(game_name: str, seed: int, args, peak_rss_gib, thresholds) -> dict:
+def train_trl(game_name: str, seed: int, args, run_record) -> dict:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     import torch
     from peft import LoraConfig
@@ -104,25 +104,5 @@ def train_trl(game_name: str, seed: int, args, peak_rss_gib, thresholds) -> dict
     )
     trainer.train()
     final = record(trainer.model)
-    scores = [p["normalised"] for p in curve]
-    return {
-        "game": game_name,
-        "mode": "generate-trl",
-        "seed": seed,
-        "measure": game.measure,
-        "before": scores[0],
-        "best": max(scores),
-        "final": scores[-1],
-        **{f"t{int(th * 100)}": next((p["train"] for p in curve if p["normalised"] >= th), None) for th in thresholds},
-        "invalid_train": invalid_train[-1] if invalid_train else None,
-        "invalid_final": final.get("invalid_rate"),
-        "updates": clock["updates"],
-        "episodes": clock["episodes"],
-        "s_per_update": clock["train"] / clock["updates"] if clock["updates"] else None,
-        "train_s": clock["train"],
-        "eval_s": clock["eval"],
-        "peak_rss_gib": peak_rss_gib(),
-        "final_figures": final,
-        "curve": curve,
-        "updates_log": log,
-    }
+    s_per_update = clock["train"] / clock["updates"] if clock["updates"] else None
+    return run_record(game, "generate-trl", seed, curve, final, clock, invalid_train, s_per_update, log)
