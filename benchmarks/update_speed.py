@@ -1,0 +1,102 @@
+"""PPO update speed of this checkout against another one, measured side by side (a refactor must not slow it).
+
+Each side runs in its own process with its tree first on PYTHONPATH: it plays Blackjack with the embedded model in
+scoring mode until 32 episodes are collected (the same episodes on both sides: acting is seeded), then times
+`trainer.step` on copies of them (`--warmup` untimed, `--updates` timed). The sides alternate `--rounds` times, so
+drift of the machine falls on both; the figure is the ratio of the mean update times.
+
+    git worktree add /tmp/old <commit>   # or: git archive <commit> | tar -x -C /tmp/old
+    python benchmarks/update_speed.py --against /tmp/old
+"""
+
+import argparse
+import copy
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def measure(updates: int, warmup: int, threads: int) -> None:
+    """One side: collect 32 scored Blackjack episodes, time the updates, print one line of seconds."""
+    import gymnasium as gym
+    import numpy as np
+    import torch
+
+    import llamagym.envs as suite
+    from llamagym import PPOConfig, load_model_and_tokenizer
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    np.random.seed(0)
+    game = suite.get_game("blackjack")
+    model, tokenizer = load_model_and_tokenizer("smollm2-135m-instruct", device="cpu")
+    envs = [gym.make(game.env_id) for _ in range(16)]
+    agent = game.agent_for()(
+        model,
+        tokenizer,
+        action_space=envs[0].action_space,
+        action_mode="score",
+        ppo_config=PPOConfig(seed=0, batch_size=10**6),  # never trains while collecting
+        **game.agent_kwargs,
+    )
+    observations = [env.reset(seed=i)[0] for i, env in enumerate(envs)]
+    next_seed = len(envs)
+    while len(agent.batch) < 32:
+        results = [env.step(a) for env, a in zip(envs, agent.act_batch(observations), strict=True)]
+        agent.assign_rewards([r[1] for r in results])
+        dones = [r[2] or r[3] for r in results]
+        agent.end_episodes(dones)
+        for i, done in enumerate(dones):
+            observations[i] = envs[i].reset(seed=next_seed)[0] if done else results[i][0]
+            next_seed += done
+    episodes = list(agent.batch[:32])
+    seconds = []
+    for k in range(warmup + updates):
+        start = time.perf_counter()
+        agent.trainer.step(copy.deepcopy(episodes))
+        if k >= warmup:
+            seconds.append(time.perf_counter() - start)
+    print("SECONDS", sum(len(e.turns) for e in episodes), *seconds, flush=True)
+
+
+def side(tree: Path, args) -> tuple[int, list[float]]:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    cmd = [sys.executable, __file__, "--child", "--updates", str(args.updates), "--warmup", str(args.warmup)]
+    out = subprocess.run([*cmd, "--threads", str(args.threads)], env=env, capture_output=True, text=True, check=True)
+    line = next(line for line in out.stdout.splitlines() if line.startswith("SECONDS"))
+    turns, *seconds = line.split()[1:]
+    return int(turns), [float(s) for s in seconds]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--against", type=Path, help="the other checkout's root (holding llamagym/)")
+    parser.add_argument("--rounds", type=int, default=2, help="times each side runs, alternating")
+    parser.add_argument("--updates", type=int, default=5, help="timed updates per run")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed updates per run first")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return measure(args.updates, args.warmup, args.threads)
+    if args.against is None or not (args.against / "llamagym").is_dir():
+        parser.error("--against should name another checkout's root, the folder that holds its llamagym/.")
+    from learning_suite import cpu_model  # beside this file
+
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, {args.threads} torch threads")
+    times = {"this": [], "other": []}
+    for _ in range(args.rounds):
+        for name, tree in (("other", args.against), ("this", ROOT)):
+            turns, seconds = side(tree, args)
+            times[name] += seconds
+            print(f"{name:>5} ({tree}): {turns} turns, update seconds {' '.join(f'{s:.2f}' for s in seconds)}")
+    this, other = (sum(times[k]) / len(times[k]) for k in ("this", "other"))
+    print(f"mean update: this {this:.2f} s, other {other:.2f} s; this / other = {this / other:.3f}")
+
+
+if __name__ == "__main__":
+    main()
