@@ -185,6 +185,12 @@ def select(batch: TurnBatch, index: torch.Tensor) -> TurnBatch:
     )
 
 
+def numbered(keys: list) -> torch.Tensor:
+    """(len(keys),) long: each key's number by first appearance (equal keys, equal numbers)."""
+    ids: dict = {}
+    return torch.tensor([ids.setdefault(key, len(ids)) for key in keys], dtype=torch.long)
+
+
 def minibatch_indices(n: int, size: int, generator: torch.Generator) -> list[torch.Tensor]:
     """A shuffled partition of range(n) into chunks of at most `size` (every index exactly once)."""
     order = torch.randperm(n, generator=generator)

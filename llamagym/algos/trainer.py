@@ -44,7 +44,7 @@ from ..models.policy import Policy
 from . import estimators, ppo
 from .modes import mode_of
 from .natural_gradient import NaturalGradient, RowGradients
-from .rollout import Episode, Turn, UpdateBatch, collate, minibatch_indices, prompt_batch
+from .rollout import Episode, Turn, UpdateBatch, collate, minibatch_indices, numbered, prompt_batch
 from .sft_replay import SFTReplayBuffer, sft_loss
 from .trust_region import TrustRegion
 
@@ -487,10 +487,10 @@ class PPOTrainer:
             rewards=rewards,
             episode=torch.repeat_interleave(torch.arange(len(counts)), counts.cpu()).to(device),
             terminal=terminal,
-            group=_numbered(group_keys).to(device),
+            group=numbered(group_keys).to(device),
             values=values,
             bootstrap=bootstrap,
-            step_key=_numbered(step_keys).to(device),
+            step_key=numbered(step_keys).to(device),
         )
         return batch, mine
 
@@ -604,13 +604,13 @@ def distinct_prompts(turns: list[Turn]) -> torch.Tensor:
     Unlike the action mode's `distinct_inputs` the reply is left out: turns that answered the same prompt differently
     share an id.
     """
-    return _numbered([tuple(turn.prompt_ids) for turn in turns])
+    return numbered([tuple(turn.prompt_ids) for turn in turns])
 
 
 def episode_groups(episodes: list[Episode]) -> torch.Tensor:
     """(E,) group id of each episode, numbered by first appearance: its `group` when set, else its first prompt
     (episodes that start from the same observation form one group, as GRPO's samples of one question do)."""
-    return _numbered([_group_key(e) for e in episodes])
+    return numbered([_group_key(e) for e in episodes])
 
 
 def _group_key(episode: Episode) -> tuple:
@@ -618,22 +618,15 @@ def _group_key(episode: Episode) -> tuple:
     return ("group", episode.group) if episode.group is not None else ("prompt", tuple(episode.turns[0].prompt_ids))
 
 
-def _numbered(keys: list) -> torch.Tensor:
-    """(len(keys),) long: each key's number by first appearance."""
-    ids: dict = {}
-    return torch.tensor([ids.setdefault(key, len(ids)) for key in keys], dtype=torch.long)
-
-
 def _shared_input_ids(mode, turns: list[Turn]) -> torch.Tensor:
     """Data-parallel: (this rank's distinct inputs,) the id of each of its inputs (numbered as `distinct_inputs`
     numbers them) among every rank's, numbered by first appearance in rank order: an input met on two ranks gets
     one id on both (natural steps merge its rows)."""
-    local: dict = {}
-    for turn in turns:
-        local.setdefault(mode.input_key(turn), len(local))
-    ids: dict = {}
-    shared = [[ids.setdefault(key, len(ids)) for key in keys] for keys in distributed.all_gather_objects(list(local))]
-    return torch.tensor(shared[distributed.rank()], dtype=torch.long)
+    local = list(dict.fromkeys(mode.input_key(turn) for turn in turns))  # numbered as `distinct_inputs` numbers them
+    everyone = distributed.all_gather_objects(local)
+    shared = numbered([key for keys in everyone for key in keys])
+    start = sum(len(keys) for keys in everyone[: distributed.rank()])
+    return shared[start : start + len(local)]
 
 
 def _batch_return(episodes: list[Episode]) -> float:

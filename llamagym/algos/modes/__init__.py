@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..rollout import Turn, UpdateBatch
+from ..rollout import Turn, UpdateBatch, numbered
 
 
 class Evaluation(NamedTuple):
@@ -81,8 +81,7 @@ class ActionMode:
     def distinct_inputs(self, turns: list[Turn]) -> torch.Tensor:
         """(N,) id of each turn's model input (`input_key`), numbered by first appearance: equal ids mean equal
         log-probs and values. Small observation spaces repeat inputs often (Blackjack has 280 states)."""
-        ids: dict[tuple, int] = {}
-        return torch.tensor([ids.setdefault(self.input_key(turn), len(ids)) for turn in turns], dtype=torch.long)
+        return numbered([self.input_key(turn) for turn in turns])
 
 
 from .generate import GenerateMode  # noqa: E402  (the modes subclass ActionMode)
