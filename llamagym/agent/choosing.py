@@ -55,21 +55,11 @@ class Actor:
     def generate(self, prompts: list[list[int]], greedy: bool = False) -> list[list[int]]:
         """One reply per prompt, sampled (or greedy), cut after the first end-of-turn token."""
         input_ids, attention_mask = left_pad(prompts, self.pad_token_id, self.policy.device)
-        config = GenerationConfig(
-            max_new_tokens=self.generation["max_new_tokens"],
-            do_sample=not greedy,
-            temperature=None if greedy else self.generation["temperature"],
-            top_k=None if greedy else 0,
-            top_p=None if greedy else 1.0,
-            pad_token_id=self.pad_token_id,
-            eos_token_id=sorted(self.eos_ids),
+        config = sampling_config(
+            self.generation["max_new_tokens"], self.generation["temperature"], greedy, self.pad_token_id, self.eos_ids
         )
         output = self.policy.generate(input_ids, attention_mask, generation_config=config)
-        replies = []
-        for row in output[:, input_ids.shape[1] :].tolist():
-            end = next((i + 1 for i, token in enumerate(row) if token in self.eos_ids), len(row))
-            replies.append(row[:end])
-        return replies
+        return [row[: reply_length(row, self.eos_ids)] for row in output[:, input_ids.shape[1] :].tolist()]
 
     def candidate_ids(self, text: str) -> list[int]:
         """Token ids of `text` as an assistant reply (chat-template exact, with its end-of-turn token); cached."""
@@ -114,6 +104,26 @@ class Actor:
         if greedy:
             return [int(row.argmax()) for row in rows]
         return [int(torch.multinomial(row.exp(), 1)) for row in rows]
+
+
+def sampling_config(
+    max_new_tokens: int, temperature: float, greedy: bool, pad_token_id: int, eos_ids: set[int]
+) -> GenerationConfig:
+    """Plain sampling from softmax(logits / temperature) (no top-k, no top-p), or greedy decoding."""
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=not greedy,
+        temperature=None if greedy else float(temperature),
+        top_k=None if greedy else 0,
+        top_p=None if greedy else 1.0,
+        pad_token_id=pad_token_id,
+        eos_token_id=sorted(eos_ids),
+    )
+
+
+def reply_length(tokens: list[int], eos_ids: set[int]) -> int:
+    """How many of the generated `tokens` are the reply: up to and including the first end token (else all)."""
+    return next((i + 1 for i, token in enumerate(tokens) if token in eos_ids), len(tokens))
 
 
 def token_chunks(items: list, size: Callable[[Any], int], budget: int) -> list[list]:

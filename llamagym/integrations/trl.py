@@ -65,7 +65,9 @@ import torch
 from ..agent import Agent
 from ..agent.chat import ChatFormatter, Message
 from ..agent.choosing import eos_ids as model_eos_ids
+from ..agent.choosing import reply_length, sampling_config
 from ..agent.parsing import parse_action
+from ..algos.rollout import left_pad
 from ..envs.suite import Path, freeze
 
 TESTED_TRL = "1.16.0"  # requirements/trl.txt; rollout_func is experimental, so other releases may differ
@@ -238,28 +240,13 @@ def generate(
 ) -> tuple[list[list[int]], list[list[float]]]:
     """One reply per sequence (left-padded, one batched call), cut after its first end token, with each token's
     log-probability under the sampling distribution (softmax of logits / temperature; empty lists when greedy)."""
-    from transformers import GenerationConfig
-
-    device = next(model.parameters()).device
-    width = max(len(s) for s in sequences)
-    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-        attention_mask[i, width - len(s) :] = 1
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=not greedy,
-        temperature=None if greedy else float(temperature),
-        top_k=None if greedy else 0,
-        top_p=None if greedy else 1.0,
-        pad_token_id=pad_token_id,
-        eos_token_id=sorted(eos),
-    )
+    input_ids, attention_mask = left_pad(sequences, pad_token_id, next(model.parameters()).device)
+    width = input_ids.shape[1]
+    config = sampling_config(max_new_tokens, temperature, greedy, pad_token_id, eos)
     with _generation_config(model, config):
         out = model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
+            input_ids=input_ids,
+            attention_mask=attention_mask,
             output_scores=not greedy,
             return_dict_in_generate=True,
         )
@@ -273,7 +260,7 @@ def generate(
         )  # fmt: skip
     replies, logprobs = [], []
     for i, row in enumerate(new.tolist()):
-        end = next((k + 1 for k, token in enumerate(row) if token in eos), len(row))
+        end = reply_length(row, eos)
         replies.append(row[:end])
         logprobs.append(logps[i, :end].tolist() if logps is not None else [])
     return replies, logprobs
