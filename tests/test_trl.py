@@ -12,7 +12,7 @@ import torch
 
 from llamagym import Agent
 
-SKIP = "TRL is not installed: pip install -e .[trl] (CI installs it in its own step)"
+SKIP = "TRL is not installed: pip install -e .[trl] (bash .ci/run installs it)"
 
 
 @pytest.fixture
