@@ -42,6 +42,16 @@ def test_seeded_sampling_is_reproducible():
     assert draw[0] == draw[1]
 
 
+def test_invalid_replies_of_good_episodes_are_never_imitated():
+    buffer = SFTReplayBuffer(ReplayConfig(top_fraction=1.0))
+    good = Episode([Turn([1, 1], [2], reward=0.0, valid=False), Turn([1, 2], [3], reward=1.0)])  # fallback paid
+    buffer.add_batch([good])
+    turns = buffer.sample_turns(50, torch.Generator().manual_seed(0))
+    assert {t.prompt_ids[1] for t in turns} == {2}
+    buffer.episodes[0].turns[1].valid = False  # nothing valid left: nothing to imitate
+    assert buffer.sample_turns(5, torch.Generator().manual_seed(0)) == []
+
+
 def test_sft_loss_is_cross_entropy_on_assistant_tokens_only(model, lora_config):
     policy = Policy(model, lora_config)
     turns = [Turn([257, 40, 41, 256, 259], [50, 51, 256]), Turn([257, 42, 256, 258, 43, 256, 259], [52, 256])]

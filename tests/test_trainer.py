@@ -338,3 +338,22 @@ def test_policy_loss_options_default_to_none_and_dr_grpo_uses_the_longest_reply(
 def test_new_config_fields_are_validated_with_a_message_naming_them(field, value, accepted):
     with pytest.raises(ValueError, match=rf"`{field}` should be {accepted}.*Received {value!r}"):
         PPOConfig(**{field: value})
+
+
+def test_an_invalid_reply_is_never_reinforced_by_what_its_fallback_won(model, lora_config, tokenizer):
+    # two one-turn episodes with the same prompt: the invalid reply's fallback won (+1), the valid reply lost (0);
+    # the advantage of the invalid one is capped at 0, so its log-prob may not rise; a valid winner's does
+    prompt, bad, good = [5, 6, 7, 8], [40, 41], [50, 51]
+
+    def logprob(trainer, response):
+        batch = mode_of([Turn(prompt, response)]).collate([Turn(prompt, response)], tokenizer.pad_token_id, "cpu")
+        with torch.no_grad():
+            return float(trainer.policy(batch.input_ids, batch.attention_mask, batch.response_mask).logprobs.sum())
+
+    for valid, direction in ((False, -1), (True, 1)):
+        torch.manual_seed(0)
+        trainer = make_trainer(model, lora_config, tokenizer, kl_coef=0.0, adaptive_kl=False, mini_batch_size=2)
+        before = logprob(trainer, bad)
+        stats = trainer.step([Episode([Turn(prompt, bad, 1.0, valid=valid)]), Episode([Turn(prompt, good, 0.0)])])
+        assert stats["adv/invalid_capped"] == (0.0 if valid else 0.5)
+        assert direction * (logprob(trainer, bad) - before) > 0

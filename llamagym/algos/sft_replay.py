@@ -55,8 +55,12 @@ class SFTReplayBuffer:
         self.demos.append(episode)
 
     def sample_turns(self, n: int, generator: torch.Generator) -> list[Turn]:
-        """`n` assistant turns drawn uniformly with replacement; `demo_fraction` of them from demonstrations."""
-        own = [turn for episode in self.episodes for turn in episode.turns]
+        """`n` assistant turns drawn uniformly with replacement; `demo_fraction` of them from demonstrations.
+
+        The agent's own turns whose reply named no valid action are never drawn: a good episode may hold one (its
+        fallback action happened to pay), and imitating it teaches the model to reply in a form that cannot be read.
+        """
+        own = [turn for episode in self.episodes for turn in episode.turns if turn.valid]
         demos = [turn for episode in self.demos for turn in episode.turns]
         if not own and not demos:
             return []

@@ -163,6 +163,12 @@ class PPOTrainer:
                 spread["adv/equal_returns"] = 1.0
             else:
                 advantages = ppo.scale_advantages(advantages, cfg.advantage_scale, self.return_moments.std)
+        # an invalid reply named no action: the fallback chose what followed, so the reply never gets positive credit
+        # for it (else a fallback that happens to pay teaches the model to reply in a form that cannot be read)
+        local = advantages[mine]
+        invalid = torch.tensor([not t.valid for t in turns], device=local.device)
+        spread["adv/invalid_capped"] = float((invalid & (local > 0)).sum()) / len(turns)
+        local = torch.where(invalid, local.clamp(max=0.0), local)
         self._batch_summary = (
             f"batch of {len(turns)} turns: mean reward {float(env_rewards.mean()):.4g}, advantages in "
             f"[{float(advantages.min()):.4g}, {float(advantages.max()):.4g}], kl/ref {float(kl_ref.mean()):.4g}"
@@ -171,7 +177,7 @@ class PPOTrainer:
             old_logprobs=old_logprobs,
             old_values=old_values,
             old_dists=old_dists,
-            advantages=advantages[mine],
+            advantages=local,
             returns=returns[mine],
         )
 
