@@ -73,7 +73,8 @@ class Agent(ABC):
         format_penalty: subtracted from a turn's reward when its reply could not be parsed.
         action_space: the env's action space, to reject parsed actions outside it.
         action_mode: "generate" (sample a reply and parse it), "score" (choose among `action_candidates`), "auto"
-            (score when `action_candidates` returns a list, else generate); the names are `algos.modes.MODES`.
+            (score when `action_candidates` returns a list, else generate), or the name of a mode added with
+            `llamagym.algos.modes.register_mode` (a new action mode is one file: see `algos/modes/__init__.py`).
         precision: "auto" (bf16 autocast where bf16 is native, e.g. CPUs with AVX512-BF16/AMX; else fp32),
             "bf16" or "fp32". Weights, LoRA and the value head stay fp32 either way.
     """
@@ -239,7 +240,9 @@ class Agent(ABC):
             # Only now, with nothing left that can fail, is the turn recorded.
             slot.history = [*d.history, {"role": "assistant", "content": d.reply}]
             reward = -self.format_penalty if not d.parsed.valid and self.format_penalty else 0.0
-            slot.episode.turns.append(Turn(d.prompt, d.reply_ids, reward, d.parsed.valid, d.candidates, d.choice))
+            slot.episode.turns.append(
+                Turn(d.prompt, d.reply_ids, reward, d.parsed.valid, d.candidates, d.choice, d.mode)
+            )
             slot.last_reply = d.reply
             actions[i] = d.parsed.action
         return actions

@@ -124,6 +124,7 @@ class Decision(NamedTuple):
     candidates: list[list[int]] | None  # the candidates' token ids, when the hook listed them
     choice: int | None  # the chosen candidate's index, when there were candidates
     parsed: ParsedAction
+    mode: str  # the action mode that chose it (`modes.MODES`)
 
 
 def decide(agent, observations: list, histories: list, wheres: list[str], greedy: bool) -> list[Decision]:
@@ -178,7 +179,9 @@ def decide(agent, observations: list, histories: list, wheres: list[str], greedy
         if not parsed.valid:
             logger.debug("%s: unparsable reply %r (%s)", where, reply[:200], parsed.error)
         ids = cand_ids[k] if listed else None
-        decisions.append(Decision(messages[k], prompts[k], reply, chosen.response_ids, ids, chosen.choice, parsed))
+        decisions.append(
+            Decision(messages[k], prompts[k], reply, chosen.response_ids, ids, chosen.choice, parsed, mode.name)
+        )
     return decisions
 
 

@@ -6,9 +6,12 @@
                 (`Policy.score`)
 
 A mode is a stateless strategy object (SB3's `make_proba_distribution`): the agent asks its mode to choose, the
-trainer asks the turns' mode (`mode_of`) to collate and evaluate them; neither asks which mode it holds. A mode
-is a subclass of `ActionMode` that fills in the abstract methods below, named in `MODES`. Shapes: N turns (or
-prompts), P the rows of a part of a batch, T the action positions per turn, C the most candidates of a row.
+trainer asks the turns' mode (`mode_of`) to collate and evaluate them; neither asks which mode it holds. Every
+turn records the name of the mode that took it (`Turn.mode`), so the trainer finds that mode in `MODES`.
+
+**A new mode is one file**: a subclass of `ActionMode` that fills in the abstract methods below, registered with
+`register_mode(MyMode())`; the agent then acts with it through `Agent(..., action_mode="my-mode")`. Shapes: N turns
+(or prompts), P the rows of a part of a batch, T the action positions per turn, C the most candidates of a row.
 
 Acting (no gradient; token ids in, token ids out, no text):
 
@@ -30,7 +33,7 @@ Training (`Policy` outputs; everything per turn is computed once per distinct in
 - `kl(data, part, now) -> (P,)`: KL(old || now) per turn of rows `part`, the old outputs being `data`'s.
 - `empty_distributions(batch) -> (N, C) or None`: a table for the old policy's distributions, if the mode has them.
 
-Class attributes: `name` (its key in `MODES`), `takes_candidates` (`choose` needs
+Class attributes: `name` (its key in `MODES`, recorded on its turns), `takes_candidates` (`choose` needs
 candidate replies: the agent asks its `action_candidates` hook) and `exact_kl` (the KL of `kl` is exact, so
 natural-gradient steps and the trust region are used by default).
 """
@@ -140,20 +143,45 @@ from .score import ScoreMode  # noqa: E402
 MODES: dict[str, ActionMode] = {"generate": GenerateMode(), "score": ScoreMode()}
 
 
+def register_mode(mode: ActionMode) -> ActionMode:
+    """Add `mode` to `MODES` under `mode.name` (then `Agent(..., action_mode=mode.name)` acts with it).
+
+    Raises:
+        ValueError: the name is empty, "auto" or already taken.
+    """
+    if not isinstance(mode, ActionMode) or not mode.name:
+        raise ValueError(f"`mode` should be an ActionMode instance with a `name`. Received {mode!r}.")
+    if mode.name in MODES or mode.name == "auto":
+        taken = "means the agent's choice" if mode.name == "auto" else "is already registered"
+        raise ValueError(f"The action mode name {mode.name!r} {taken}; choose another name.")
+    MODES[mode.name] = mode
+    return mode
+
+
 def _recorded_mode(turn: Turn) -> str:
+    # Turns built by hand or saved before turns named their mode: the two built-in modes, told apart by candidates.
+    if turn.mode is not None:
+        return turn.mode
     return "generate" if turn.candidates is None else "score"
 
 
 def mode_of(turns: list[Turn]) -> ActionMode:
-    """The mode the turns were taken in; all turns must share one.
+    """The mode the turns were taken in (`Turn.mode`); all turns must share one.
 
     Raises:
-        ValueError: the turns mix modes.
+        ValueError: the turns mix modes, or name one that is not registered.
     """
     names = {_recorded_mode(turn) for turn in turns}
     if len(names) != 1:
-        raise ValueError("A batch mixes generated and scored turns; keep one action mode per agent.")
-    return MODES[names.pop()]
+        listed = ", ".join(sorted(names))
+        raise ValueError(
+            f"A batch mixes generated and scored turns, or turns of different action modes ({listed}); "
+            "keep one action mode per agent."
+        )
+    name = names.pop()
+    if name not in MODES:
+        raise ValueError(f"The turns were taken in action mode {name!r}, which is not registered (`register_mode`).")
+    return MODES[name]
 
 
 __all__ = [
@@ -165,4 +193,5 @@ __all__ = [
     "GenerateMode",
     "ScoreMode",
     "mode_of",
+    "register_mode",
 ]
