@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .. import distributed
+from ..algos.modes import MODES
 from ..algos.rollout import Episode, Turn
 from ..algos.trainer import PPOTrainer
 from ..config import PPOConfig, ReplayConfig
@@ -30,7 +31,6 @@ from .checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkp
 from .choosing import Actor, decide, eos_ids, generation_settings
 from .running_episodes import Slot, episodes_state, load_episodes_state
 
-ACTION_MODES = ("auto", "generate", "score")
 _FROM_CLASS = object()  # `context_turns` left out: the class attribute decides
 
 
@@ -72,8 +72,9 @@ class Agent(ABC):
         fallback_action: the action used when a reply cannot be parsed. Set it to a valid action of your env.
         format_penalty: subtracted from a turn's reward when its reply could not be parsed.
         action_space: the env's action space, to reject parsed actions outside it.
-        action_mode: "generate" (sample a reply and parse it), "score" (choose among `action_candidates`), or
-            "auto" (score when `action_candidates` returns a list, else generate).
+        action_mode: "generate" (sample a reply and parse it), "score" (choose among `action_candidates`), "auto"
+            (score when `action_candidates` returns a list, else generate), or the name of a mode added with
+            `llamagym.algos.modes.register_mode` (a new action mode is one file: see `algos/modes/__init__.py`).
         precision: "auto" (bf16 autocast where bf16 is native, e.g. CPUs with AVX512-BF16/AMX; else fp32),
             "bf16" or "fp32". Weights, LoRA and the value head stay fp32 either way.
     """
@@ -101,8 +102,8 @@ class Agent(ABC):
         lora_layers: int | None | str = "auto",
         frozen_cache_mb: float = 512,
     ):
-        if action_mode not in ACTION_MODES:
-            raise ValueError(f"`action_mode` should be one of {', '.join(ACTION_MODES)}. Received {action_mode!r}.")
+        if action_mode != "auto" and action_mode not in MODES:
+            raise ValueError(f"`action_mode` should be one of {', '.join(['auto', *MODES])}. Received {action_mode!r}.")
         if fallback_action is None:
             raise ValueError("`fallback_action` should be a valid action of your env (it replaces unparsable replies).")
         if not isinstance(format_penalty, (int, float)) or not math.isfinite(format_penalty) or format_penalty < 0:
@@ -148,6 +149,7 @@ class Agent(ABC):
         self.action_space = action_space
         self.actor = Actor(self.policy, self.formatter, self.pad_token_id, self.eos_ids, self.generation)
         self.action_mode = action_mode
+        self.mode = None if action_mode == "auto" else MODES[action_mode]  # the `ActionMode` that chooses (None: auto)
         self.greedy = False
         self.batch: list[Episode] = []
         self.ended_episodes: list[EpisodeSummary] = []  # see end_episodes
@@ -238,7 +240,9 @@ class Agent(ABC):
             # Only now, with nothing left that can fail, is the turn recorded.
             slot.history = [*d.history, {"role": "assistant", "content": d.reply}]
             reward = -self.format_penalty if not d.parsed.valid and self.format_penalty else 0.0
-            slot.episode.turns.append(Turn(d.prompt, d.reply_ids, reward, d.parsed.valid, d.candidates, d.choice))
+            slot.episode.turns.append(
+                Turn(d.prompt, d.reply_ids, reward, d.parsed.valid, d.candidates, d.choice, d.mode)
+            )
             slot.last_reply = d.reply
             actions[i] = d.parsed.action
         return actions

@@ -1,21 +1,17 @@
-"""Choosing replies for a batch of prompts: sampled generation, or scoring a list of candidate replies.
+"""Choosing replies for a batch of prompts: the agent builds the prompts (and the candidates' token ids), then asks
+its action mode to choose (`algos/modes/`: sampled generation, or scoring the candidates).
 
-Both take many prompts (one per env slot) in a single batched call. Generation left-pads and samples; scoring
-packs each prompt with its candidates into one sequence and samples from the softmax over their
-length-normalised log-likelihoods (every action is valid by construction, one forward pass per step).
+The `Actor` is what a mode acts with (`modes.Acting`): the policy, padding and end-of-turn ids, the sampling and
+scoring settings, and each mode's memory between steps, emptied whenever the policy's outputs may change.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-import torch
-from transformers import GenerationConfig
-
-from ..algos.modes.score import ScoreMode
-from ..algos.rollout import collate_scored, left_pad
+from ..algos.modes import MODES, ActionMode
+from ..algos.modes.score import shared_prefix, token_chunks  # noqa: F401  (their former home; tests import them here)
 from ..models.policy import Policy
 from .chat import ChatFormatter, Message
 from .demos import response_ids
@@ -25,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 
 class Actor:
-    """Turns prompts into replies with the current policy.
+    """What the agent's action modes choose with (`modes.Acting`), and candidate reply texts as token ids.
 
     Args:
         policy: the policy to act with.
@@ -49,17 +45,27 @@ class Actor:
         # candidate tokens per scoring forward: each costs a vocabulary-wide row of logits (49k floats for SmolLM2),
         # so 64 prompts x 21 candidates in one pass took arithmetic's evaluation from 0.95 to 2.85 GiB
         self.score_tokens = 1024
-        self._scores: dict[tuple, torch.Tensor] = {}
-        self._scores_stamp: tuple | None = None
+        self._memory: dict[str, dict] = {}
+        self._memory_stamp: tuple | None = None
 
-    def generate(self, prompts: list[list[int]], greedy: bool = False) -> list[list[int]]:
-        """One reply per prompt, sampled (or greedy), cut after the first end-of-turn token."""
-        input_ids, attention_mask = left_pad(prompts, self.pad_token_id, self.policy.device)
-        config = sampling_config(
-            self.generation["max_new_tokens"], self.generation["temperature"], greedy, self.pad_token_id, self.eos_ids
-        )
-        output = self.policy.generate(input_ids, attention_mask, generation_config=config)
-        return [row[: reply_length(row, self.eos_ids)] for row in output[:, input_ids.shape[1] :].tolist()]
+    def memory(self, mode: ActionMode) -> dict:
+        """`mode`'s own dict between calls (the score mode keeps its distributions there), emptied whenever the
+        policy's outputs may have changed: its weights (`Policy.version`), temperature or precision."""
+        stamp = (self.policy.version, self.policy.temperature, self.policy.precision)
+        if stamp != self._memory_stamp:
+            for memory in self._memory.values():
+                memory.clear()
+            self._memory_stamp = stamp
+        return self._memory.setdefault(mode.name, {})
+
+    @property
+    def _scores(self) -> dict:
+        """The score mode's memory: each distinct input's log-probs over its candidates (for inspection)."""
+        return self._memory.setdefault("score", {})
+
+    def choose(self, prompts: list[list[int]], candidates: list[list[list[int]]], greedy: bool = False) -> list[int]:
+        """The score mode's choice among `candidates` for each prompt (its index): a shortcut to `ScoreMode.choose`."""
+        return [c.choice for c in MODES["score"].choose(self, prompts, candidates, greedy)]
 
     def candidate_ids(self, text: str) -> list[int]:
         """Token ids of `text` as an assistant reply (chat-template exact, with its end-of-turn token); cached."""
@@ -69,85 +75,6 @@ class Actor:
             rendered = self.formatter.messages("", [*history, {"role": "assistant", "content": text}])
             self._candidate_cache[text] = response_ids(self.formatter, rendered, prompt, self.eos_ids)
         return self._candidate_cache[text]
-
-    @torch.no_grad()
-    def choose(self, prompts: list[list[int]], candidates: list[list[list[int]]], greedy: bool = False) -> list[int]:
-        """Index of the chosen candidate for each prompt: sampled from the policy, or its arg-max when greedy.
-
-        Each distinct (prompt, candidates) input is scored once per policy version: envs in the same state, now
-        or later in the rollout, reuse its distribution until the weights (or the precision) change (see
-        `Policy.version`).
-        """
-        stamp = (self.policy.version, self.policy.temperature, self.policy.precision)
-        if stamp != self._scores_stamp:
-            self._scores.clear()
-            self._scores_stamp = stamp
-        keys = [ScoreMode.key(p, c) for p, c in zip(prompts, candidates, strict=True)]  # the trainer's input key
-        missing = list(dict.fromkeys(key for key in keys if key not in self._scores))
-        if len(self._scores) + len(missing) > self.score_cache_size:
-            self._scores.clear()
-        for part in token_chunks(missing, lambda key: sum(map(len, key[1])), self.score_tokens):
-            todo = [list(key[0]) for key in part]
-            batch = collate_scored(
-                todo,
-                [[list(c) for c in key[1]] for key in part],
-                pad_token_id=self.pad_token_id,
-                device=self.policy.device,
-            )
-            # the frozen-layer cache already skips the shared layers: the prefix KV reuse would go unused
-            reuse = self.reuse_prefix and len(todo) > 1 and self.policy.frozen_cache is None
-            prefix = shared_prefix(todo) if reuse else 0
-            logprobs = self.policy.score(batch, prefix=prefix).logprobs.float().cpu()
-            for key, row in zip(part, logprobs, strict=True):
-                self._scores[key] = row[: len(key[1])]
-        rows = [self._scores[key] for key in keys]
-        if greedy:
-            return [int(row.argmax()) for row in rows]
-        return [int(torch.multinomial(row.exp(), 1)) for row in rows]
-
-
-def sampling_config(
-    max_new_tokens: int, temperature: float, greedy: bool, pad_token_id: int, eos_ids: set[int]
-) -> GenerationConfig:
-    """Plain sampling from softmax(logits / temperature) (no top-k, no top-p), or greedy decoding."""
-    return GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=not greedy,
-        temperature=None if greedy else float(temperature),
-        top_k=None if greedy else 0,
-        top_p=None if greedy else 1.0,
-        pad_token_id=pad_token_id,
-        eos_token_id=sorted(eos_ids),
-    )
-
-
-def reply_length(tokens: list[int], eos_ids: set[int]) -> int:
-    """How many of the generated `tokens` are the reply: up to and including the first end token (else all)."""
-    return next((i + 1 for i, token in enumerate(tokens) if token in eos_ids), len(tokens))
-
-
-def token_chunks(items: list, size: Callable[[Any], int], budget: int) -> list[list]:
-    """`items` in order, cut into consecutive chunks of at most `budget` by `size` (an item larger than the budget
-    makes a chunk of its own)."""
-    chunks, total = [], 0
-    for item in items:
-        n = size(item)
-        if not chunks or total + n > budget:
-            chunks.append([])
-            total = 0
-        chunks[-1].append(item)
-        total += n
-    return chunks
-
-
-def shared_prefix(prompts: list[list[int]]) -> int:
-    """Length of the token prefix all prompts share, leaving each at least its last token (where V is read)."""
-    limit = min(len(p) for p in prompts) - 1
-    first = prompts[0]
-    for i in range(limit):
-        if any(p[i] != first[i] for p in prompts):
-            return i
-    return max(limit, 0)
 
 
 def generation_settings(spec, overrides: dict) -> dict:
@@ -194,33 +121,37 @@ class Decision(NamedTuple):
     prompt: list[int]  # the prompt ids the model saw
     reply: str
     reply_ids: list[int]
-    candidates: list[list[int]] | None  # scoring mode only
-    choice: int | None  # scoring mode only
+    candidates: list[list[int]] | None  # the candidates' token ids, when the hook listed them
+    choice: int | None  # the chosen candidate's index, when there were candidates
     parsed: ParsedAction
+    mode: str  # the action mode that chose it (`modes.MODES`)
 
 
 def decide(agent, observations: list, histories: list, wheres: list[str], greedy: bool) -> list[Decision]:
-    """Each observation after its conversation `history`: prompts, then one batched generate or scoring call.
+    """Each observation after its conversation `history`: prompts, then one batched choice by the agent's mode.
 
-    The agent's hooks format the observations and name the candidates; nothing is recorded here.
+    The agent's hooks format the observations and name the candidates; nothing is recorded here. Under
+    `action_mode="auto"` the mode is "score" when `action_candidates` lists replies, else "generate".
     """
     if not observations:
         return []
     system_prompt = agent.get_system_prompt()
+    fixed = agent.mode  # None under "auto"
+    ask = fixed is None or fixed.takes_candidates
     messages, prompts, candidates = [], [], []
     for observation, history, where in zip(observations, histories, wheres, strict=True):
         hook = "format_observation"
         try:
             message = {"role": "user", "content": str(agent.format_observation(observation))}
             hook = "action_candidates"
-            texts = agent.action_candidates(observation) if agent.action_mode != "generate" else None
+            texts = agent.action_candidates(observation) if ask else None
         except Exception as exc:  # a user hook may raise anything: name it, and where, and record nothing
             raise RuntimeError(f"{hook}() raised {type(exc).__name__}: {exc} in {where}") from exc
         if texts is not None and not texts:
             raise ValueError(f"action_candidates returned no candidates in {where}.")
-        if texts is None and agent.action_mode == "score":
+        if texts is None and fixed is not None and fixed.takes_candidates:
             raise ValueError(
-                f"action_mode='score' but action_candidates returned None in {where}; "
+                f"action_mode={fixed.name!r} but action_candidates returned None in {where}; "
                 "return the list of valid replies, or set action_names."
             )
         messages.append([*history, message])
@@ -229,27 +160,28 @@ def decide(agent, observations: list, histories: list, wheres: list[str], greedy
         except ValueError as exc:  # over the token budget: say where
             raise ValueError(f"{where}: {exc}") from None
         candidates.append(texts)
-    scoring = candidates[0] is not None
-    if any((texts is not None) != scoring for texts in candidates):
+    listed = candidates[0] is not None
+    if any((texts is not None) != listed for texts in candidates):
         raise ValueError("action_candidates returned a list for some envs and None for others in one step.")
-    if scoring:
-        cand_ids = [[agent.actor.candidate_ids(t) for t in texts] for texts in candidates]
-        choices = agent.actor.choose(prompts, cand_ids, greedy=greedy)
-        replies = [texts[c] for texts, c in zip(candidates, choices, strict=True)]
-        reply_ids = [ids[c] for ids, c in zip(cand_ids, choices, strict=True)]
-    else:
-        cand_ids, choices = [None] * len(prompts), [None] * len(prompts)
-        reply_ids = agent.actor.generate(prompts, greedy=greedy)
-        replies = [agent.tokenizer.decode(ids, skip_special_tokens=True) for ids in reply_ids]
+    mode = fixed or MODES["score" if listed else "generate"]
+    cand_ids = [[agent.actor.candidate_ids(t) for t in texts] for texts in candidates] if listed else None
+    choices = mode.choose(agent.actor, prompts, cand_ids, greedy)
     decisions = []
-    for k, where in enumerate(wheres):
-        if scoring and candidates[k] == agent.action_names:
-            parsed = ParsedAction(choices[k] + _space_start(agent.action_space), True, None)
+    for k, (where, texts, chosen) in enumerate(zip(wheres, candidates, choices, strict=True)):
+        if chosen.choice is not None:  # a listed reply: its text as the hook gave it
+            reply = texts[chosen.choice]
         else:
-            parsed = parse_action(replies[k], agent.extract_action, agent.fallback_action, agent.action_space)
+            reply = agent.tokenizer.decode(chosen.response_ids, skip_special_tokens=True)
+        if chosen.choice is not None and texts == agent.action_names:
+            parsed = ParsedAction(chosen.choice + _space_start(agent.action_space), True, None)
+        else:
+            parsed = parse_action(reply, agent.extract_action, agent.fallback_action, agent.action_space)
         if not parsed.valid:
-            logger.debug("%s: unparsable reply %r (%s)", where, replies[k][:200], parsed.error)
-        decisions.append(Decision(messages[k], prompts[k], replies[k], reply_ids[k], cand_ids[k], choices[k], parsed))
+            logger.debug("%s: unparsable reply %r (%s)", where, reply[:200], parsed.error)
+        ids = cand_ids[k] if listed else None
+        decisions.append(
+            Decision(messages[k], prompts[k], reply, chosen.response_ids, ids, chosen.choice, parsed, mode.name)
+        )
     return decisions
 
 

@@ -2,7 +2,8 @@
 
 - `rollout.py`          turns and episodes, their padded tensors (the seam between the agent and the trainer), and
                         `UpdateBatch`, one update's tensors in one bundle
-- `modes/`              action modes, one file each (generate, score): collating, evaluating, the same-input key
+- `modes/`              action modes, one file each (generate, score): choosing at act time, collating, evaluating,
+                        the KL and the same-input key; `register_mode` adds one
 - `ppo.py`              PPO math as pure tensor functions: log-probs, GAE, KL estimators, clipped losses
 - `estimators.py`       advantage estimators by name (gae, grpo, rloo, rebn, gigpo) and their registry
 - `trainer.py`          `PPOTrainer`: one update over a batch of episodes (advantages, epochs, value refit, SFT)

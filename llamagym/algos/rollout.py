@@ -20,7 +20,8 @@ class Turn:
     """One action: the prompt the model saw, the reply it produced and the reward that followed.
 
     In scoring mode `candidates` holds the token ids of every valid reply, `choice` the sampled one, and
-    `response_ids` is `candidates[choice]` (so supervised replay trains the chosen reply like any other).
+    `response_ids` is `candidates[choice]` (so supervised replay trains the chosen reply like any other). `mode`
+    names the action mode that took the turn, which the trainer asks to collate and evaluate it.
     """
 
     prompt_ids: list[int]  # chat-template token ids ending with the assistant header
@@ -29,6 +30,7 @@ class Turn:
     valid: bool = True  # False when the reply could not be parsed and the fallback action was used
     candidates: list[list[int]] | None = None  # scoring mode: token ids of each candidate reply
     choice: int | None = None  # scoring mode: index of the chosen candidate
+    mode: str | None = None  # the action mode that took it (`modes.MODES`); None: told apart by `candidates`
 
 
 @dataclass

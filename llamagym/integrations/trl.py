@@ -65,8 +65,8 @@ import torch
 from ..agent import Agent
 from ..agent.chat import ChatFormatter, Message
 from ..agent.choosing import eos_ids as model_eos_ids
-from ..agent.choosing import reply_length, sampling_config
 from ..agent.parsing import parse_action
+from ..algos.modes.generate import reply_length, sampling_config
 from ..algos.rollout import left_pad
 from ..envs.suite import Path, freeze
 

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -71,6 +72,14 @@ class PolicyOutput(NamedTuple):
     logprobs: torch.Tensor  # (B, L) fp32 log-prob of each token at response positions, 0 elsewhere
     values: torch.Tensor | None  # (B,) fp32 value at `value_index`, or None when not asked for
     entropy: torch.Tensor | None  # (B, L) fp32 entropy at response positions, or None when not asked for
+
+
+def length_normalised(totals: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Each candidate's mean token log-prob (N, C), from its summed token log-probs and its token count (N, C)."""
+    return totals / lengths.clamp(min=1)
+
+
+CandidateLogits = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (totals, lengths) (N, C) -> logits (N, C)
 
 
 class ScoreOutput(NamedTuple):
@@ -269,8 +278,15 @@ class Policy(nn.Module):
             values = self.value_head(hidden[rows, value_index])
         return PolicyOutput(logprobs, values, entropy)
 
-    def score(self, batch: ScoreBatch, reference: bool = False, prefix: int = 0) -> ScoreOutput:
-        """The policy over candidate replies: softmax of their length-normalised log-likelihoods (TWOSOME).
+    def score(
+        self,
+        batch: ScoreBatch,
+        reference: bool = False,
+        prefix: int = 0,
+        candidate_logits: CandidateLogits | None = None,
+    ) -> ScoreOutput:
+        """The policy over candidate replies: softmax of `candidate_logits(totals, lengths)`, by default their
+        length-normalised log-likelihoods (TWOSOME; a scoring action mode passes its own, `algos/modes/score.py`).
 
         One forward pass per row scores the prompt and all its packed candidates (see `rollout.ScoreBatch`).
         `prefix` > 0 says the rows share their first `prefix` tokens (e.g. the system prompt): they are computed
@@ -286,7 +302,7 @@ class Policy(nn.Module):
         slot = rows * width + batch.owner[valid]
         totals = token_logprobs.new_zeros(n * width).index_add(0, slot, token_logprobs)
         counts = token_logprobs.new_zeros(n * width).index_add(0, slot, torch.ones_like(token_logprobs))
-        scores = (totals / counts.clamp(min=1)).view(n, width)
+        scores = (candidate_logits or length_normalised)(totals.view(n, width), counts.view(n, width))
         exists = torch.arange(width, device=hidden.device)[None] < batch.num_candidates[:, None]
         logprobs = torch.log_softmax(scores.masked_fill(~exists, float("-inf")), dim=-1)
         values = self.value_head(hidden[torch.arange(n, device=hidden.device), batch.value_index])

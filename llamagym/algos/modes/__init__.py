@@ -1,21 +1,73 @@
-"""Action modes: how the policy's actions are taken and trained on, one file each.
+"""Action modes: how the policy's actions are chosen and trained on, one file each.
 
-- `generate.py` `GenerateMode`: an action is a sampled reply; it is trained token by token (`Policy.forward`)
-- `score.py`    `ScoreMode`: an action is one of a list of candidate replies; it is trained as one choice among
-                them, all scored in one pass (`Policy.score`)
+- `generate.py` `GenerateMode` ("generate"): an action is a sampled reply, trained token by token (`Policy.forward`)
+- `score.py`    `ScoreMode` ("score"): an action is one of a list of candidate replies, chosen from the softmax of
+                their length-normalised log-likelihoods and trained as that choice, all scored in one pass
+                (`Policy.score`)
 
-The trainer asks the turns' mode (`mode_of`) how to collate them, which turns share a model input (`input_key`),
-how to evaluate them and how far the policy moved on them; it never asks which mode it holds. A new mode is a
-subclass of `ActionMode` in a new file, named in `MODES`.
+A mode is a stateless strategy object (SB3's `make_proba_distribution`): the agent asks its mode to choose, the
+trainer asks the turns' mode (`mode_of`) to collate and evaluate them; neither asks which mode it holds. Every
+turn records the name of the mode that took it (`Turn.mode`), so the trainer finds that mode in `MODES`.
+
+**A new mode is one file**: a subclass of `ActionMode` that fills in the abstract methods below, registered with
+`register_mode(MyMode())`; the agent then acts with it through `Agent(..., action_mode="my-mode")`. Shapes: N turns
+(or prompts), P the rows of a part of a batch, T the action positions per turn, C the most candidates of a row.
+
+Acting (no gradient; token ids in, token ids out, no text):
+
+- `choose(actor, prompts, candidates, greedy) -> list[Choice]`: one `Choice(response_ids, choice)` per prompt.
+  `prompts` are N lists of prompt token ids (chat template applied, ending with the assistant header);
+  `candidates` are N lists of candidate replies' token ids when the mode `takes_candidates`, else None. `actor`
+  (see `Acting`) holds the policy, padding and end-of-turn ids, the sampling and scoring settings, and
+  `actor.memory(self)`, a dict the mode may keep between calls that is emptied whenever the policy's outputs may
+  have changed (weights, temperature, precision). Sampling uses torch's global generator.
+
+Training (`Policy` outputs; everything per turn is computed once per distinct input):
+
+- `input_key(turn) -> tuple`: what the model sees of a turn; turns with equal keys get equal outputs.
+- `collate(turns, pad_token_id, device) -> batch`: the turns' padded tensors (any NamedTuple of (N, ...) tensors).
+- `action_mask(batch) -> (N, T)` float: which action log-probs count.
+- `evaluate(policy, batch, part, first, inverse, with_entropy, watch, reference) -> Evaluation`: the policy's
+  outputs on rows `part` (P,) of `batch`: log-probs and mask (P, T), values (P,), entropy (P, T) or None,
+  distributions (P, C) or None. Rows `part[first]` are run and `inverse` spreads them back over `part`.
+- `kl(data, part, now) -> (P,)`: KL(old || now) per turn of rows `part`, the old outputs being `data`'s.
+- `empty_distributions(batch) -> (N, C) or None`: a table for the old policy's distributions, if the mode has them.
+
+Class attributes: `name` (its key in `MODES`, recorded on its turns), `takes_candidates` (`choose` needs
+candidate replies: the agent asks its `action_candidates` hook) and `exact_kl` (the KL of `kl` is exact, so
+natural-gradient steps and the trust region are used by default).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from abc import ABC, abstractmethod
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from ..rollout import Turn, UpdateBatch, numbered
+
+
+class Choice(NamedTuple):
+    """What a mode chose for one prompt, as its turn will store it."""
+
+    response_ids: list[int]  # the reply's token ids (the chosen candidate's, when choosing among candidates)
+    choice: int | None = None  # the index of the chosen candidate, or None when there were no candidates
+
+
+class Acting(Protocol):
+    """What a mode acts with: the agent's `Actor` (`agent/choosing.py`)."""
+
+    policy: Any  # the `Policy` to act with
+    pad_token_id: int
+    eos_ids: set[int]  # tokens that end a reply
+    generation: dict  # sampling settings: max_new_tokens, temperature
+    reuse_prefix: bool  # scoring: compute the prompts' common prefix once per forward
+    score_tokens: int  # scoring: candidate tokens per forward (each costs a vocabulary-wide row of logits)
+    score_cache_size: int  # scoring: distinct inputs remembered between weight updates
+
+    def memory(self, mode: ActionMode) -> dict:
+        """`mode`'s own dict, kept between calls and emptied whenever the policy's outputs may have changed."""
 
 
 class Evaluation(NamedTuple):
@@ -28,32 +80,34 @@ class Evaluation(NamedTuple):
     dists: torch.Tensor | None  # (P, C) log-probs of every candidate (scoring), else None
 
 
-class ActionMode:
-    """How an action is taken and trained on (see the module docstring). Subclasses fill in every method.
+class ActionMode(ABC):
+    """How an action is chosen and trained on; the module docstring is the contract."""
 
-    `exact_kl`: the KL between two policies on a turn is exact (over the candidates), so natural-gradient steps
-    and the trust region are used by default; otherwise only when `PPOConfig` asks for them.
-    """
+    name: str = ""
+    exact_kl: bool = False
+    takes_candidates: bool = False  # `choose` needs candidate replies: the agent asks its `action_candidates` hook
 
-    name = ""
-    exact_kl = False
+    # ---- acting ----------------------------------------------------------------------------------------------
+    @abstractmethod
+    def choose(
+        self, actor: Acting, prompts: list[list[int]], candidates: list[list[list[int]]] | None, greedy: bool
+    ) -> list[Choice]:
+        """One `Choice` per prompt: sampled from the policy, or its most likely action when `greedy`."""
 
-    def acted(self, turn: Turn) -> bool:
-        """Whether `turn` was taken in this mode."""
-        raise NotImplementedError
-
+    # ---- training --------------------------------------------------------------------------------------------
+    @abstractmethod
     def input_key(self, turn: Turn) -> tuple:
         """What the model sees of `turn`: turns with the same key get the same log-probs and values."""
-        raise NotImplementedError
 
+    @abstractmethod
     def collate(self, turns: list[Turn], pad_token_id: int, device: torch.device | str = "cpu"):
         """The turns' padded tensors (a `TurnBatch` or a `ScoreBatch`)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def action_mask(self, batch) -> torch.Tensor:
         """(N, T) float mask of the action log-probs of a collated batch."""
-        raise NotImplementedError
 
+    @abstractmethod
     def evaluate(
         self,
         policy,
@@ -68,15 +122,14 @@ class ActionMode:
         """The policy's outputs on rows `part` of `batch`, computed once per distinct input: rows `part[first]`
         are run and `inverse` spreads them back over `part`. `watch` (a `RowGradients.watch`) is given the
         per-input outputs the loss is computed from."""
-        raise NotImplementedError
+
+    @abstractmethod
+    def kl(self, data: UpdateBatch, part: torch.Tensor, now: Evaluation) -> torch.Tensor:
+        """(P,) KL(old || now) per turn of rows `part`, the old policy's outputs being `data`'s."""
 
     def empty_distributions(self, batch) -> torch.Tensor | None:
         """An (N, C) table for the old policy's distributions over the candidates, or None when there are none."""
         return None
-
-    def kl(self, data: UpdateBatch, part: torch.Tensor, now: Evaluation) -> torch.Tensor:
-        """(P,) KL(old || now) per turn of rows `part`, the old policy's outputs being `data`'s."""
-        raise NotImplementedError
 
     def distinct_inputs(self, turns: list[Turn]) -> torch.Tensor:
         """(N,) id of each turn's model input (`input_key`), numbered by first appearance: equal ids mean equal
@@ -90,16 +143,55 @@ from .score import ScoreMode  # noqa: E402
 MODES: dict[str, ActionMode] = {"generate": GenerateMode(), "score": ScoreMode()}
 
 
-def mode_of(turns: list[Turn]) -> ActionMode:
-    """The mode the turns were taken in; all turns must share one.
+def register_mode(mode: ActionMode) -> ActionMode:
+    """Add `mode` to `MODES` under `mode.name` (then `Agent(..., action_mode=mode.name)` acts with it).
 
     Raises:
-        ValueError: the turns mix modes.
+        ValueError: the name is empty, "auto" or already taken.
     """
-    modes = {name for name, mode in MODES.items() for turn in turns if mode.acted(turn)}
-    if len(modes) != 1:
-        raise ValueError("A batch mixes generated and scored turns; keep one action mode per agent.")
-    return MODES[modes.pop()]
+    if not isinstance(mode, ActionMode) or not mode.name:
+        raise ValueError(f"`mode` should be an ActionMode instance with a `name`. Received {mode!r}.")
+    if mode.name in MODES or mode.name == "auto":
+        taken = "means the agent's choice" if mode.name == "auto" else "is already registered"
+        raise ValueError(f"The action mode name {mode.name!r} {taken}; choose another name.")
+    MODES[mode.name] = mode
+    return mode
 
 
-__all__ = ["MODES", "ActionMode", "Evaluation", "GenerateMode", "ScoreMode", "mode_of"]
+def _recorded_mode(turn: Turn) -> str:
+    # Turns built by hand or saved before turns named their mode: the two built-in modes, told apart by candidates.
+    if turn.mode is not None:
+        return turn.mode
+    return "generate" if turn.candidates is None else "score"
+
+
+def mode_of(turns: list[Turn]) -> ActionMode:
+    """The mode the turns were taken in (`Turn.mode`); all turns must share one.
+
+    Raises:
+        ValueError: the turns mix modes, or name one that is not registered.
+    """
+    names = {_recorded_mode(turn) for turn in turns}
+    if len(names) != 1:
+        listed = ", ".join(sorted(names))
+        raise ValueError(
+            f"A batch mixes generated and scored turns, or turns of different action modes ({listed}); "
+            "keep one action mode per agent."
+        )
+    name = names.pop()
+    if name not in MODES:
+        raise ValueError(f"The turns were taken in action mode {name!r}, which is not registered (`register_mode`).")
+    return MODES[name]
+
+
+__all__ = [
+    "MODES",
+    "Acting",
+    "ActionMode",
+    "Choice",
+    "Evaluation",
+    "GenerateMode",
+    "ScoreMode",
+    "mode_of",
+    "register_mode",
+]

@@ -1,33 +1,79 @@
-"""Score mode: an action is one of a list of candidate replies, trained as one choice among them.
+"""Score mode: an action is one of a list of candidate replies, chosen and trained as one choice among them.
 
 Its input is the prompt with every candidate (whichever was chosen), packed into one sequence and scored in one
-pass (`Policy.score`, `rollout.ScoreBatch`); its log-prob is the chosen candidate's under the softmax over the
-candidates, and the KL to the batch's policy is exact over them: natural steps and the trust region run by default.
+pass (`Policy.score`, `rollout.ScoreBatch`). The policy is the softmax over the candidates of `candidate_logits`,
+their length-normalised log-likelihoods (TWOSOME); a subclass that changes that one method is a new mode. Its
+log-prob is the chosen candidate's, and the KL to the batch's policy is exact over the candidates: natural steps
+and the trust region run by default. Acting scores each distinct input once per policy version and remembers it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from ...models.policy import length_normalised
 from ..rollout import ScoreBatch, Turn, UpdateBatch, collate_scored
 from ..trust_region import categorical_kl
-from . import ActionMode, Evaluation
+from . import ActionMode, Choice, Evaluation
 
 
 class ScoreMode(ActionMode):
     name = "score"
     exact_kl = True
-
-    def acted(self, turn: Turn) -> bool:
-        return turn.candidates is not None
+    takes_candidates = True
 
     @staticmethod
     def key(prompt_ids: list[int], candidates: list[list[int]]) -> tuple:
-        """The input of a prompt with its candidates (also the key of the acting side's score cache)."""
+        """The input of a prompt with its candidates (the training side's `input_key`, the acting side's cache key)."""
         return tuple(prompt_ids), tuple(map(tuple, candidates))
 
+    def candidate_logits(self, totals: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """(N, C) the softmax's logits from each candidate's summed token log-probs and its token count (N, C):
+        their mean, so that a long reply is not less likely for being long (TWOSOME, arXiv:2401.14151)."""
+        return length_normalised(totals, lengths)
+
+    # ---- acting ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def choose(self, actor, prompts, candidates, greedy=False) -> list[Choice]:
+        """The chosen candidate of each prompt: sampled from the policy, or its arg-max when greedy.
+
+        Each distinct (prompt, candidates) input is scored once per policy version (`actor.memory`): envs in the
+        same state, now or later in the rollout, reuse its distribution until the weights (or the precision)
+        change. Inputs are scored in forwards of at most `actor.score_tokens` candidate tokens.
+        """
+        scores = actor.memory(self)
+        keys = [self.key(p, c) for p, c in zip(prompts, candidates, strict=True)]
+        missing = list(dict.fromkeys(key for key in keys if key not in scores))
+        if len(scores) + len(missing) > actor.score_cache_size:
+            scores.clear()
+        for part in token_chunks(missing, lambda key: sum(map(len, key[1])), actor.score_tokens):
+            todo = [list(key[0]) for key in part]
+            batch = collate_scored(
+                todo,
+                [[list(c) for c in key[1]] for key in part],
+                pad_token_id=actor.pad_token_id,
+                device=actor.policy.device,
+            )
+            # the frozen-layer cache already skips the shared layers: the prefix KV reuse would go unused
+            reuse = actor.reuse_prefix and len(todo) > 1 and actor.policy.frozen_cache is None
+            prefix = shared_prefix(todo) if reuse else 0
+            logprobs = (
+                actor.policy.score(batch, prefix=prefix, candidate_logits=self.candidate_logits).logprobs.float().cpu()
+            )
+            for key, row in zip(part, logprobs, strict=True):
+                scores[key] = row[: len(key[1])]
+        rows = [scores[key] for key in keys]
+        if greedy:
+            chosen = [int(row.argmax()) for row in rows]
+        else:
+            chosen = [int(torch.multinomial(row.exp(), 1)) for row in rows]
+        return [Choice(cands[c], c) for cands, c in zip(candidates, chosen, strict=True)]
+
+    # ---- training --------------------------------------------------------------------------------------------
     def input_key(self, turn: Turn) -> tuple:
         """The prompt and every candidate, whichever was chosen."""
         return self.key(turn.prompt_ids, turn.candidates)
@@ -48,7 +94,7 @@ class ScoreMode(ActionMode):
         """The chosen candidates' log-probs (P, 1); the distributions are every candidate's (P, C), and the
         entropy is over the candidates (always computed: it is cheap)."""
         rows = ScoreBatch(*(t[part[first]] for t in batch))
-        out = policy.score(rows, reference=reference)
+        out = policy.score(rows, reference=reference, candidate_logits=self.candidate_logits)
         if watch is not None:
             watch(out.logprobs)
         logprobs = out.logprobs[inverse]
@@ -65,3 +111,27 @@ class ScoreMode(ActionMode):
     def kl(self, data: UpdateBatch, part: torch.Tensor, now: Evaluation) -> torch.Tensor:
         """Exact over the candidates."""
         return categorical_kl(data.old_dists[part, : now.dists.shape[1]], now.dists)
+
+
+def token_chunks(items: list, size: Callable[[Any], int], budget: int) -> list[list]:
+    """`items` in order, cut into consecutive chunks of at most `budget` by `size` (an item larger than the budget
+    makes a chunk of its own)."""
+    chunks, total = [], 0
+    for item in items:
+        n = size(item)
+        if not chunks or total + n > budget:
+            chunks.append([])
+            total = 0
+        chunks[-1].append(item)
+        total += n
+    return chunks
+
+
+def shared_prefix(prompts: list[list[int]]) -> int:
+    """Length of the token prefix all prompts share, leaving each at least its last token (where V is read)."""
+    limit = min(len(p) for p in prompts) - 1
+    first = prompts[0]
+    for i in range(limit):
+        if any(p[i] != first[i] for p in prompts):
+            return i
+    return max(limit, 0)
