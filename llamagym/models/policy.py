@@ -17,12 +17,19 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import (
+    LoraConfig,
+    PeftModel,
+    get_peft_model,
+    get_peft_model_state_dict,
+    set_peft_model_state_dict,
+)
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..algos.ppo import entropy_from_logits, logprobs_from_logits
 from ..algos.rollout import ScoreBatch
+from . import checkpointing
 from .devices import resolve_precision
 from .frozen_cache import FrozenLayerCache, frozen_prefix_layers, probe
 from .registry import GENERIC_SPEC, ModelSpec
@@ -94,6 +101,8 @@ class Policy(nn.Module):
         frozen_cache_mb: with `lora_layers`, keep up to this many MiB of the hidden states that leave the frozen
             layers below the adapter, one per distinct input (see `frozen.FrozenLayerCache`): repeated inputs then
             run the adapted layers only. 0 turns it off. Used only where a probe shows the split is exact.
+        gradient_checkpointing: recompute the training layers' activations in the backward pass instead of
+            keeping them (see `checkpointing`): less memory for one more forward of those layers; same gradients.
     """
 
     def __init__(
@@ -104,8 +113,11 @@ class Policy(nn.Module):
         precision: str = "fp32",
         lora_layers: int | None = None,
         frozen_cache_mb: float = 512,
+        gradient_checkpointing: bool = False,
     ):
         super().__init__()
+        if not isinstance(gradient_checkpointing, bool):
+            raise ValueError(f"`gradient_checkpointing` should be True or False. Received {gradient_checkpointing!r}.")
         self.full_finetune = full_finetune
         self.reference_model = None
         if isinstance(model, PeftModel):
@@ -128,6 +140,9 @@ class Policy(nn.Module):
                 # that the user can do nothing about (the property still works)
                 warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
                 self.model = get_peft_model(model, lora_config)
+        if gradient_checkpointing:
+            checkpointing.enable(self.causal_lm())
+        self.gradient_checkpointing = gradient_checkpointing
         config = self.causal_lm().config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.value_head = ValueHead(text_config.hidden_size).to(self.device)
