@@ -22,6 +22,7 @@ from peft import (
     PeftModel,
     get_peft_model,
     get_peft_model_state_dict,
+    prepare_model_for_kbit_training,
     set_peft_model_state_dict,
 )
 from safetensors.torch import load_file, save_file
@@ -50,6 +51,11 @@ def _top_layers(lora_config: LoraConfig, model, count: int) -> LoraConfig:
     if not isinstance(count, int) or isinstance(count, bool) or total is None or not 1 <= count <= total:
         raise ValueError(f"`lora_layers` should be an integer in [1, {total}] (the model's layers). Got {count!r}.")
     return dataclasses.replace(lora_config, layers_to_transform=list(range(total - count, total)))
+
+
+def is_quantized(model) -> bool:
+    """Whether `model` was loaded in 4 or 8 bits (bitsandbytes), i.e. its base weights cannot train."""
+    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
 
 
 class ValueHead(nn.Module):
@@ -123,6 +129,11 @@ class Policy(nn.Module):
         if isinstance(model, PeftModel):
             self.model = model
         elif full_finetune:
+            if is_quantized(model):
+                raise ValueError(
+                    "`full_finetune` cannot train a 4/8-bit quantized model (its weights are frozen integers). "
+                    "Train a LoRA adapter on it instead (QLoRA): leave full_finetune=False."
+                )
             self.model = model
             self.reference_model = copy.deepcopy(model).eval().requires_grad_(False)
         else:
@@ -139,6 +150,8 @@ class Policy(nn.Module):
                 # peft reads `is_gradient_checkpointing`, which transformers 5 renamed: a FutureWarning on every run
                 # that the user can do nothing about (the property still works)
                 warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+                if is_quantized(model):  # QLoRA: norms (and any other 16-bit weights) upcast to fp32, all frozen
+                    prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
                 self.model = get_peft_model(model, lora_config)
         if gradient_checkpointing:
             checkpointing.enable(self.causal_lm())
