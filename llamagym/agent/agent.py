@@ -21,6 +21,7 @@ from .. import distributed
 from ..algos.rollout import Episode, Turn
 from ..algos.trainer import PPOTrainer
 from ..config import PPOConfig, ReplayConfig
+from ..models import sharding
 from ..models.devices import resolve_device
 from ..models.policy import Policy
 from ..models.registry import find_model_spec
@@ -135,8 +136,9 @@ class Agent(ABC):
             raise ValueError(f"`frozen_cache_mb` should be a number >= 0. Received {frozen_cache_mb!r}.")
         if lora_layers == "auto":
             lora_layers = self.spec.lora_layers if self.spec is not None and lora_config is None else None
-        if gradient_checkpointing == "auto":
-            gradient_checkpointing = self.spec is not None and self.spec.gradient_checkpointing
+        if gradient_checkpointing == "auto":  # the registry's default, or the accelerate FSDP config's
+            spec_default = self.spec is not None and self.spec.gradient_checkpointing
+            gradient_checkpointing = spec_default or sharding.fsdp_activation_checkpointing()
         elif not isinstance(gradient_checkpointing, bool):
             raise ValueError(
                 f"`gradient_checkpointing` should be True, False or 'auto'. Received {gradient_checkpointing!r}."
@@ -144,6 +146,8 @@ class Agent(ABC):
         self.policy = Policy(
             model, lora_config, full_finetune, precision, lora_layers, frozen_cache_mb, gradient_checkpointing
         )
+        sharding.shard_from_env(self.policy)  # `accelerate launch` with an FSDP config: shard the frozen weights
+        sharding.check(self.policy)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = eos_ids(tokenizer, model)
         self.generation = generation_settings(self.spec, generation_config or {})
