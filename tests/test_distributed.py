@@ -17,10 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from llamagym import distributed
 from llamagym.algos.trainer import PPOTrainer
 from llamagym.config import PPOConfig
+from llamagym.models import sharding
 from llamagym.models.policy import Policy
 from llamagym.models.tiny_random import build_tiny_model, build_tiny_tokenizer
 from tests.test_update_pinned import episodes
@@ -40,15 +43,20 @@ def lora():
     )
 
 
-def updated(name: str, batches) -> list[torch.Tensor]:
-    """The trainable parameters after one update per batch of episodes (this rank's share, data-parallel)."""
+def updated(name: str, batches, fsdp: bool = False, **policy_options) -> list[torch.Tensor]:
+    """The trainable parameters after one update per batch of episodes (this rank's share, data-parallel); with
+    `fsdp`, the frozen base weights are sharded over the ranks first (`sharding.shard_frozen_weights`)."""
     scored, options = CONFIGS[name]
     tokenizer = build_tiny_tokenizer()
     torch.manual_seed(distributed.rank())  # ranks start from different weights: the trainer broadcasts rank 0's
-    policy = Policy(build_tiny_model(tokenizer, seed=0), lora(), precision="fp32")
+    policy = Policy(build_tiny_model(tokenizer, seed=0), lora(), precision="fp32", **policy_options)
     if distributed.rank() == 0:
         torch.manual_seed(0)
-        policy = Policy(build_tiny_model(tokenizer, seed=0), lora(), precision="fp32")
+        policy = Policy(build_tiny_model(tokenizer, seed=0), lora(), precision="fp32", **policy_options)
+    if fsdp:
+        sharding.shard_frozen_weights(policy)
+        held, total = sharding.sharded_bytes(policy.causal_lm())
+        assert held < 0.6 * total, (held, total)  # each rank holds about half of the base weights
     trainer = PPOTrainer(policy, PPOConfig(seed=0, **options), tokenizer.pad_token_id)
     for batch in batches:
         trainer.step(batch)
@@ -81,6 +89,46 @@ def _update_worker(rank: int, init_file: str, out_dir: str) -> None:
             params = updated(name, mine)
             if rank == 0:
                 torch.save(params, os.path.join(out_dir, f"{name}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _fsdp_worker(rank: int, init_file: str, out_dir: str) -> None:
+    """The same updates with the frozen base sharded (FSDP2), with and without gradient checkpointing; then the
+    clear errors: an FSDP1 accelerate config, and trainable weights someone else sharded."""
+    _join(rank, 2, init_file)
+    try:
+        for name, (scored, _) in CONFIGS.items():
+            mine = [_mine(batch, rank) for batch in shares(scored)]
+            for checkpointed in (False, True):
+                params = updated(name, mine, fsdp=True, gradient_checkpointing=checkpointed)
+                if rank == 0:
+                    torch.save(params, os.path.join(out_dir, f"fsdp-{name}-{checkpointed}.pt"))
+        errors = {}
+        os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="1")
+        try:
+            _agent()
+        except ValueError as error:
+            errors["fsdp1"] = str(error)
+        os.environ["FSDP_VERSION"] = "2"
+        agent = _agent()
+        errors["sharded_by_agent"] = isinstance(agent.policy.causal_lm().get_decoder().norm.weight, DTensor)
+        agent.batch = _mine(episodes(True, seed=0), rank)
+        agent.train()
+        agent.save(os.path.join(out_dir, "fsdp-checkpoint"), extra={"note": rank})
+        trained = _params(agent)
+        resumed = _agent()
+        errors["resumed_extra"] = resumed.load(os.path.join(out_dir, "fsdp-checkpoint"))
+        errors["resumed_equal"] = all(torch.equal(a, b) for a, b in zip(_params(resumed), trained, strict=True))
+        del os.environ["ACCELERATE_USE_FSDP"], os.environ["FSDP_VERSION"]
+        policy = Policy(build_tiny_model(build_tiny_tokenizer(), seed=0), lora(), precision="fp32")
+        fully_shard(policy.causal_lm())  # the trainable LoRA weights are sharded too
+        try:
+            sharding.check(policy)
+        except ValueError as error:
+            errors["trainable_sharded"] = str(error)
+        if rank == 0:
+            torch.save(errors, os.path.join(out_dir, "fsdp-errors.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -158,6 +206,22 @@ def test_two_ranks_update_as_one_process_on_the_union(tmp_path):
         assert any(not torch.equal(a, b) for a, b in zip(actual, before_step.trainable_parameters(), strict=True))
         for a, e in zip(actual, expected, strict=True):
             torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_fsdp_of_the_frozen_base_updates_as_one_process_on_the_union(tmp_path):
+    _spawn(_fsdp_worker, tmp_path)
+    for name, (scored, _) in CONFIGS.items():
+        expected = updated(name, shares(scored))
+        for checkpointed in (False, True):
+            actual = torch.load(tmp_path / f"fsdp-{name}-{checkpointed}.pt")
+            for a, e in zip(actual, expected, strict=True):
+                torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6, msg=f"{name}, checkpointing {checkpointed}")
+    errors = torch.load(tmp_path / "fsdp-errors.pt")
+    assert "FSDP2" in errors["fsdp1"] and "fsdp_version: 2" in errors["fsdp1"]
+    assert errors["sharded_by_agent"] is True
+    assert errors["resumed_extra"] == {"note": 0} and errors["resumed_equal"]  # a sharded agent saves and loads
+    assert "trainable weights are sharded" in errors["trainable_sharded"]
+    assert "examples/accelerate/fsdp.yaml" in errors["trainable_sharded"]
 
 
 def test_a_dead_rank_ends_the_update_with_a_clear_error(tmp_path):

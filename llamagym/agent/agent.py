@@ -22,6 +22,7 @@ from ..algos.modes import MODES
 from ..algos.rollout import Episode, Turn
 from ..algos.trainer import PPOTrainer
 from ..config import PPOConfig, ReplayConfig
+from ..models import sharding
 from ..models.devices import resolve_device
 from ..models.policy import Policy
 from ..models.registry import find_model_spec
@@ -77,6 +78,9 @@ class Agent(ABC):
             `llamagym.algos.modes.register_mode` (a new action mode is one file: see `algos/modes/__init__.py`).
         precision: "auto" (bf16 autocast where bf16 is native, e.g. CPUs with AVX512-BF16/AMX; else fp32),
             "bf16" or "fp32". Weights, LoRA and the value head stay fp32 either way.
+        gradient_checkpointing: recompute the adapted layers' activations in the backward pass instead of keeping
+            them: less memory per update for one more forward of those layers, the same update. "auto" takes the
+            registry's default for this model (on for the 1B+ models, off for the embedded 135M one), else off.
     """
 
     def __init__(
@@ -101,6 +105,7 @@ class Agent(ABC):
         precision: str = "auto",
         lora_layers: int | None | str = "auto",
         frozen_cache_mb: float = 512,
+        gradient_checkpointing: bool | str = "auto",
     ):
         if action_mode != "auto" and action_mode not in MODES:
             raise ValueError(f"`action_mode` should be one of {', '.join(['auto', *MODES])}. Received {action_mode!r}.")
@@ -132,7 +137,18 @@ class Agent(ABC):
             raise ValueError(f"`frozen_cache_mb` should be a number >= 0. Received {frozen_cache_mb!r}.")
         if lora_layers == "auto":
             lora_layers = self.spec.lora_layers if self.spec is not None and lora_config is None else None
-        self.policy = Policy(model, lora_config, full_finetune, precision, lora_layers, frozen_cache_mb)
+        if gradient_checkpointing == "auto":  # the registry's default, or the accelerate FSDP config's
+            spec_default = self.spec is not None and self.spec.gradient_checkpointing
+            gradient_checkpointing = spec_default or sharding.fsdp_activation_checkpointing()
+        elif not isinstance(gradient_checkpointing, bool):
+            raise ValueError(
+                f"`gradient_checkpointing` should be True, False or 'auto'. Received {gradient_checkpointing!r}."
+            )
+        self.policy = Policy(
+            model, lora_config, full_finetune, precision, lora_layers, frozen_cache_mb, gradient_checkpointing
+        )
+        sharding.shard_from_env(self.policy)  # `accelerate launch` with an FSDP config: shard the frozen weights
+        sharding.check(self.policy)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_ids = eos_ids(tokenizer, model)
         self.generation = generation_settings(self.spec, generation_config or {})

@@ -18,12 +18,20 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import (
+    LoraConfig,
+    PeftModel,
+    get_peft_model,
+    get_peft_model_state_dict,
+    prepare_model_for_kbit_training,
+    set_peft_model_state_dict,
+)
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..algos.ppo import entropy_from_logits, logprobs_from_logits
 from ..algos.rollout import ScoreBatch
+from . import checkpointing
 from .devices import resolve_precision
 from .frozen_cache import FrozenLayerCache, frozen_prefix_layers, probe
 from .registry import GENERIC_SPEC, ModelSpec
@@ -44,6 +52,11 @@ def _top_layers(lora_config: LoraConfig, model, count: int) -> LoraConfig:
     if not isinstance(count, int) or isinstance(count, bool) or total is None or not 1 <= count <= total:
         raise ValueError(f"`lora_layers` should be an integer in [1, {total}] (the model's layers). Got {count!r}.")
     return dataclasses.replace(lora_config, layers_to_transform=list(range(total - count, total)))
+
+
+def is_quantized(model) -> bool:
+    """Whether `model` was loaded in 4 or 8 bits (bitsandbytes), i.e. its base weights cannot train."""
+    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
 
 
 class ValueHead(nn.Module):
@@ -103,6 +116,8 @@ class Policy(nn.Module):
         frozen_cache_mb: with `lora_layers`, keep up to this many MiB of the hidden states that leave the frozen
             layers below the adapter, one per distinct input (see `frozen.FrozenLayerCache`): repeated inputs then
             run the adapted layers only. 0 turns it off. Used only where a probe shows the split is exact.
+        gradient_checkpointing: recompute the training layers' activations in the backward pass instead of
+            keeping them (see `checkpointing`): less memory for one more forward of those layers; same gradients.
     """
 
     def __init__(
@@ -113,13 +128,21 @@ class Policy(nn.Module):
         precision: str = "fp32",
         lora_layers: int | None = None,
         frozen_cache_mb: float = 512,
+        gradient_checkpointing: bool = False,
     ):
         super().__init__()
+        if not isinstance(gradient_checkpointing, bool):
+            raise ValueError(f"`gradient_checkpointing` should be True or False. Received {gradient_checkpointing!r}.")
         self.full_finetune = full_finetune
         self.reference_model = None
         if isinstance(model, PeftModel):
             self.model = model
         elif full_finetune:
+            if is_quantized(model):
+                raise ValueError(
+                    "`full_finetune` cannot train a 4/8-bit quantized model (its weights are frozen integers). "
+                    "Train a LoRA adapter on it instead (QLoRA): leave full_finetune=False."
+                )
             self.model = model
             self.reference_model = copy.deepcopy(model).eval().requires_grad_(False)
         else:
@@ -136,7 +159,12 @@ class Policy(nn.Module):
                 # peft reads `is_gradient_checkpointing`, which transformers 5 renamed: a FutureWarning on every run
                 # that the user can do nothing about (the property still works)
                 warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+                if is_quantized(model):  # QLoRA: norms (and any other 16-bit weights) upcast to fp32, all frozen
+                    prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
                 self.model = get_peft_model(model, lora_config)
+        if gradient_checkpointing:
+            checkpointing.enable(self.causal_lm())
+        self.gradient_checkpointing = gradient_checkpointing
         config = self.causal_lm().config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.value_head = ValueHead(text_config.hidden_size).to(self.device)

