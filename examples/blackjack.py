@@ -11,8 +11,8 @@ Sanity run (embedded SmolLM2-135M):     python examples/blackjack.py --episodes 
 Full run (see the README's Results):     python examples/blackjack.py --seed 0
 Continue a stopped or killed run:        python examples/blackjack.py --seed 0 --resume
 Data-parallel, 2 processes (docs/scaling.md):
-    accelerate launch --cpu --num_processes 2 examples/blackjack.py --model tiny-random --episodes 64 --batch-size 16
-    --device cpu   (each rank plays its own hands; --batch-size is per rank; rank 0 writes the outputs)
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/blackjack.py --model tiny-random --episodes 64
+    --batch-size 16 --device cpu   (each rank plays its own hands; --batch-size is per rank; rank 0 writes the outputs)
 (checkpoints hold the envs mid-hand and the agent's running episodes: the resumed run matches an uninterrupted one)
 """
 
