@@ -13,6 +13,8 @@ Continue a stopped or killed run:        python examples/blackjack.py --seed 0 -
 Data-parallel, 2 processes (docs/scaling.md):
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/blackjack.py --model tiny-random --episodes 64
     --batch-size 16 --device cpu   (each rank plays its own hands; --batch-size is per rank; rank 0 writes the outputs)
+    The same under FSDP (the frozen base sharded): accelerate launch --config_file examples/accelerate/fsdp.yaml ...
+    (every rank evaluates: each forward pass is then a collective)
 (checkpoints hold the envs mid-hand and the agent's running episodes: the resumed run matches an uninterrupted one)
 """
 
@@ -93,9 +95,14 @@ def greedy_table(agent):
 
 
 def evaluate(agent, args, output_dir, returns, name="eval"):
-    """Exact expected return of the greedy policy, optional sampled check, JSON and both pictures."""
+    """Exact expected return of the greedy policy, optional sampled check; rank 0 writes the JSON and both pictures.
+
+    Every rank computes it (the same table): with the base sharded (FSDP) each forward pass is a collective.
+    """
     table = greedy_table(agent)
     result = {"exact": exact_return(table), "references": reference_returns(), "episodes_trained": len(returns)}
+    if not distributed.is_main():
+        return result
     if args.eval_episodes:
         env = gym.make("Blackjack-v1", natural=False, sab=False)
 
@@ -183,7 +190,8 @@ def exact_eval(agent, every: int, update: int) -> dict:
     if not every or update % every:
         return {}
     value = exact_return(greedy_table(agent))["expected_return"]
-    tqdm.write(f"update {update}: exact return of the greedy policy {value:+.4f}")
+    if distributed.is_main():
+        tqdm.write(f"update {update}: exact return of the greedy policy {value:+.4f}")
     return {"eval/exact_return": value}
 
 
@@ -207,6 +215,7 @@ def main():
     torch.manual_seed(args.seed)
     run = RunLog(args.output_dir, wandb=args.wandb, config=vars(args))  # joins a launcher's ranks, if any
     main_rank, ranks = distributed.is_main(), distributed.world_size()
+    pause_after = args.max_updates  # a user's limit: the run stops checkpointed, to be continued with --resume
     if ranks > 1 and not args.max_updates:  # every rank must make as many updates: count updates, not hands
         args.max_updates = max(1, args.episodes // args.batch_size)
     agent = make_agent(args)
@@ -215,9 +224,10 @@ def main():
     if args.eval_only:
         print(json.dumps(evaluate(agent, args, run.dir, returns)["exact"], indent=2))
         return run.close()
-    if not returns and main_rank:
+    if not returns:  # on every rank (see evaluate); rank 0 writes and prints
         before = evaluate(agent, args, run.dir, returns, name="eval_before")["exact"]["expected_return"]
-        print(f"exact expected return before training: {before:+.4f}")
+        if main_rank:
+            print(f"exact expected return before training: {before:+.4f}")
     envs, obs, next_seed = envs_to_play(args, agent, state, len(returns))
 
     # ---- the RL loop: N envs side by side, one batched forward pass per step ----
@@ -248,16 +258,17 @@ def main():
     if not stopped and agent.batch:  # a last, partial batch (e.g. a 5-hand sanity run): trained on, logged
         run.log({**agent.train(), "episodes": len(returns)})
     progress.close()
-    if stopped:
-        if not main_rank:
-            return run.close()
-        print(f"stopped after {run.updates} updates ({len(returns)} episodes); continue with --resume")
+    if stopped and pause_after:
+        if main_rank:
+            print(f"stopped after {run.updates} updates ({len(returns)} episodes); continue with --resume")
         return run.close()
 
     wall = run.elapsed
-    run.save(agent, returns=returns, invalid=invalid, envs=envs, observations=obs, next_seed=next_seed)
+    if not stopped:  # a stopped run saved its checkpoint with its last update
+        run.save(agent, returns=returns, invalid=invalid, envs=envs, observations=obs, next_seed=next_seed)
     result = evaluate(agent, args, run.dir, returns)
-    report(result, len(returns), run.updates, wall, run.dir)
+    if main_rank:
+        report(result, len(returns), run.updates, wall, run.dir)
     run.close(final={"eval/exact_return": result["exact"]["expected_return"]})
 
 

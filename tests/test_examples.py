@@ -56,6 +56,33 @@ def test_blackjack_logs_the_last_partial_batch_update_too(tmp_path):
     assert "updates 2" in result.stdout
 
 
+@pytest.mark.parametrize("fsdp", [False, True], ids=["data-parallel", "fsdp"])
+def test_blackjack_runs_unchanged_on_two_ranks(tmp_path, fsdp):
+    """torchrun, 2 gloo ranks: both train together, rank 0 writes; under FSDP every forward is a collective, so the
+    evaluations run on every rank and acting and training keep the ranks' forwards in step (else: a hang)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    if fsdp:
+        env.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
+    run = tmp_path / "run"
+    script = ("--model", "tiny-random", "--episodes", "32", "--batch-size", "8", "--num-envs", "8", "--device", "cpu")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "examples" / "blackjack.py")]
+        + [*script, "--eval-every", "2", "--output-dir", str(run)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["update"] for line in lines if "ppo/policy_loss" in line] == [1, 2, 3, 4]
+    assert lines[1]["dist/world_size"] == 2 and "eval/exact_return" in lines[1]
+    for name in ("eval_before.json", "eval.json"):
+        assert -1.001 <= json.loads((run / name).read_text())["exact"]["expected_return"] <= 1.001
+    assert "exact expected return of the greedy policy" in result.stdout
+
+
 def test_textworld_smoke_run_trains_and_writes_metrics_adapter_and_eval(tmp_path):
     pytest.importorskip("textworld")  # the optional extra: scripts/bootstrap.py --extras textworld
     run = tmp_path / "run"

@@ -317,6 +317,10 @@ class Agent(ABC):
         Returns the mean `env/return`, `env/length` and `agent/invalid_action_rate` of the episodes that ended
         (with `env/episodes` their count), plus the training stats when an update ran. Each ended episode's own
         numbers are then in `ended_episodes`: one `EpisodeSummary` each, in env order, until the next call.
+
+        With the base sharded (FSDP), every forward is a collective: every rank must call `act_batch` and
+        `end_episodes` once per step, and the ranks train together once every rank's batch is full (a rank whose
+        batch filled first keeps playing and trains on its extra episodes too).
         """
         dones = [bool(d) for d in dones]
         truncated = [False] * len(dones) if truncated is None else [bool(t) for t in truncated]
@@ -342,7 +346,10 @@ class Agent(ABC):
             "agent/invalid_action_rate": _mean(s.invalid_rate for s in summaries),
             "env/episodes": float(len(summaries)),
         }
-        if len(self.batch) >= self.ppo_config.batch_size:
+        full = len(self.batch) >= self.ppo_config.batch_size
+        if self.policy.sharded:  # every forward is a collective: the ranks train together, once every batch is full
+            full = distributed.all_true(full)
+        if full:
             stats.update(self.train())
         return stats
 

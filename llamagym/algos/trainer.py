@@ -298,10 +298,18 @@ class PPOTrainer:
 
     def _micro(self, groups: torch.Tensor, index: torch.Tensor) -> list[torch.Tensor]:
         """A minibatch's rows in micro-batches of at most `micro_batch_size` distinct inputs (which bounds the
-        forward/backward memory); rows sharing an input stay in one micro-batch."""
+        forward/backward memory); rows sharing an input stay in one micro-batch.
+
+        With the base sharded (FSDP) each forward is a collective, so every rank makes as many micro-batches: as
+        many as the rank that needs the most, but no more than the fewest distinct inputs a rank has.
+        """
         distinct, inverse = torch.unique(groups[index], return_inverse=True)
         size = self.config.micro_batch_size or len(distinct)
-        return [index[(inverse >= lo) & (inverse < lo + size)] for lo in range(0, len(distinct), size)]
+        if not self.policy.sharded:
+            return [index[(inverse >= lo) & (inverse < lo + size)] for lo in range(0, len(distinct), size)]
+        most = distributed.reduce_number(math.ceil(len(distinct) / size), "max")
+        count = int(min(most, distributed.reduce_number(len(distinct), "min")))
+        return [index[torch.isin(inverse, chunk)] for chunk in torch.arange(len(distinct)).tensor_split(count)]
 
     @torch.no_grad()
     def _score(self, data: UpdateBatch, plan: list[torch.Tensor], reference: bool):

@@ -174,6 +174,7 @@ class Policy(nn.Module):
         self.frozen_cache = self._frozen_cache(frozen_cache_mb, text_config.vocab_size)
         self.temperature = 1.0  # sampling temperature; log-probs are scored under the same one
         self.version = 0  # bumped whenever the weights change (optimizer step, load): outputs cached by it go stale
+        self.sharded = False  # frozen weights sharded over the ranks (FSDP): every forward is then a collective
         self.eval()  # dropout stays off: old, reference and new log-probs come from one computation path
 
     # ---- structure -------------------------------------------------------------------------------------------
@@ -338,7 +339,12 @@ class Policy(nn.Module):
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **generation_kwargs) -> torch.Tensor:
-        """Sample continuations of left-padded prompts with the current policy; returns (B, L + new)."""
+        """Sample continuations of left-padded prompts with the current policy; returns (B, L + new).
+
+        Sharded (FSDP), every rank runs as many forwards as the rank with the longest replies (`synced_gpus`).
+        """
+        if self.sharded:
+            generation_kwargs.setdefault("synced_gpus", True)
         with self.autocast():
             return self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **generation_kwargs)
 

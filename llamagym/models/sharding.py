@@ -93,6 +93,8 @@ def shard_frozen_weights(policy: nn.Module, reshard_after_forward: bool = True) 
             reshard_after_forward=reshard_after_forward,
             ignored_params={p for p in module.parameters() if p in keep},
         )
+    # every forward is now a collective, so each must run on every rank: no skipping layers through cached states
+    policy.sharded, policy.frozen_cache = True, None
     return len(units)
 
 

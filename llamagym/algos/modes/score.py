@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ... import distributed
 from ...models.policy import length_normalised
 from ..rollout import ScoreBatch, Turn, UpdateBatch, collate_scored
 from ..trust_region import categorical_kl
@@ -50,7 +51,12 @@ class ScoreMode(ActionMode):
         missing = list(dict.fromkeys(key for key in keys if key not in scores))
         if len(scores) + len(missing) > actor.score_cache_size:
             scores.clear()
-        for part in token_chunks(missing, lambda key: sum(map(len, key[1])), actor.score_tokens):
+        parts = token_chunks(missing, lambda key: sum(map(len, key[1])), actor.score_tokens)
+        sharded = actor.policy.sharded
+        if sharded:  # each forward is a collective: as many as the rank with the most to score
+            lacking = int(distributed.reduce_number(len(parts), "max")) - len(parts)
+            parts += [[self.key(prompts[0], candidates[0])]] * lacking
+        for part in parts:
             todo = [list(key[0]) for key in part]
             batch = collate_scored(
                 todo,
@@ -59,7 +65,8 @@ class ScoreMode(ActionMode):
                 device=actor.policy.device,
             )
             # the frozen-layer cache already skips the shared layers: the prefix KV reuse would go unused
-            reuse = actor.reuse_prefix and len(todo) > 1 and actor.policy.frozen_cache is None
+            # (sharded, the prefix's extra forward would be a collective that other ranks may not run)
+            reuse = actor.reuse_prefix and len(todo) > 1 and actor.policy.frozen_cache is None and not sharded
             prefix = shared_prefix(todo) if reuse else 0
             logprobs = (
                 actor.policy.score(batch, prefix=prefix, candidate_logits=self.candidate_logits).logprobs.float().cpu()
