@@ -63,11 +63,11 @@ def test_blackjack_runs_unchanged_on_two_ranks(tmp_path, fsdp):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     if fsdp:
         env.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     run = tmp_path / "run"
     script = ("--model", "tiny-random", "--episodes", "32", "--batch-size", "8", "--num-envs", "8", "--device", "cpu")
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "examples" / "blackjack.py")]
-        + [*script, "--eval-every", "2", "--output-dir", str(run)],
+        [*launcher, str(ROOT / "examples" / "blackjack.py"), *script, "--eval-every", "2", "--output-dir", str(run)],
         cwd=tmp_path,
         env=env,
         capture_output=True,
