@@ -12,11 +12,11 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def run_example(script, *args, cwd):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+def run_example(script, *args, cwd, launcher=(sys.executable,), env_extra=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", **(env_extra or {})}
     env.pop("WANDB_PROJECT", None)
     return subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), *args],
+        [*launcher, str(ROOT / "examples" / script), *args],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -60,20 +60,12 @@ def test_blackjack_logs_the_last_partial_batch_update_too(tmp_path):
 def test_blackjack_runs_unchanged_on_two_ranks(tmp_path, fsdp):
     """torchrun, 2 gloo ranks: both train together, rank 0 writes; under FSDP every forward is a collective, so the
     evaluations run on every rank and acting and training keep the ranks' forwards in step (else: a hang)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
-    if fsdp:
-        env.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    sharded = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"} if fsdp else {}
     run = tmp_path / "run"
     script = ("--model", "tiny-random", "--episodes", "32", "--batch-size", "8", "--num-envs", "8", "--device", "cpu")
-    result = subprocess.run(
-        [*launcher, str(ROOT / "examples" / "blackjack.py"), *script, "--eval-every", "2", "--output-dir", str(run)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = (*script, "--eval-every", "2", "--output-dir", str(run))
+    result = run_example("blackjack.py", *args, cwd=tmp_path, launcher=launcher, env_extra=sharded)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [line["update"] for line in lines if "ppo/policy_loss" in line] == [1, 2, 3, 4]
