@@ -7,6 +7,7 @@ import torch
 from peft import LoraConfig
 
 from llamagym import Agent, PPOConfig, ReplayConfig
+from llamagym.algos.modes import MODES
 from tests.envs import CountingEnv
 
 
@@ -197,13 +198,14 @@ class NamedAgent(ScriptedAgent):
 def test_predict_scores_in_float32_and_never_reuses_scores_cached_under_bf16(model, tokenizer, lora_config):
     agent = make_agent(model, tokenizer, lora_config, cls=NamedAgent, precision="bf16")
     agent.act(0)  # scores observation 0 under bf16, and caches that
-    ((key, acted),) = agent.actor._scores.items()
+    scores = agent.actor.memory(MODES["score"])  # the score mode's memory (one dict, emptied when the stamp changes)
+    ((key, acted),) = scores.items()
     agent.predict([0])
     assert agent.policy.precision == "bf16"
-    predicted = agent.actor._scores[key]
+    predicted = scores[key]
     agent.policy.precision = "fp32"  # the same weights, run in fp32 throughout
     agent.act(0)
-    torch.testing.assert_close(predicted, agent.actor._scores[key], atol=0, rtol=0)
+    torch.testing.assert_close(predicted, scores[key], atol=0, rtol=0)
     assert not torch.equal(acted, predicted)
 
 

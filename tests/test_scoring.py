@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from llamagym.algos import ppo
+from llamagym.algos.modes import MODES
 from llamagym.algos.rollout import Episode, Turn, collate, collate_scored
 from llamagym.algos.trainer import PPOTrainer
 from llamagym.config import PPOConfig
@@ -11,6 +12,16 @@ from llamagym.models.policy import Policy
 
 PROMPTS = [[257, 50, 51, 256, 259], [257, 52, 256, 258, 53, 256, 259]]
 CANDIDATES = [[[60, 61, 256], [70, 256]], [[80, 256], [81, 82, 83, 256], [84, 256]]]
+
+
+def choose(actor, prompts, candidates, greedy=False):
+    """The score mode's choice (an index) for each prompt."""
+    return [c.choice for c in MODES["score"].choose(actor, prompts, candidates, greedy)]
+
+
+def scores(actor):
+    """The score mode's memory: each distinct input's log-probs over its candidates."""
+    return actor.memory(MODES["score"])
 
 
 def manual_scores(policy, prompt, candidates):
@@ -44,7 +55,7 @@ def test_greedy_choice_is_the_highest_likelihood_candidate(model, tokenizer, lor
 
     policy = Policy(model, lora_config)
     actor = Actor(policy, ChatFormatter(tokenizer), 256, {256}, {"max_new_tokens": 4, "temperature": 1.0})
-    choices = actor.choose(PROMPTS, CANDIDATES, greedy=True)
+    choices = choose(actor, PROMPTS, CANDIDATES, greedy=True)
     expected = [int(manual_scores(policy, p, c).argmax()) for p, c in zip(PROMPTS, CANDIDATES, strict=True)]
     assert choices == expected
 
@@ -72,7 +83,7 @@ def test_scored_turns_train_with_ratio_exactly_one_on_the_first_minibatch(model,
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_reusing_the_shared_prefix_cache_equals_the_uncached_forward(model, lora_config, precision):
-    from llamagym.agent.choosing import shared_prefix
+    from llamagym.algos.modes.score import shared_prefix
 
     prompts = [[257, 50, 51, 52, 256, 258, 60, 256, 259], [257, 50, 51, 52, 256, 258, 61, 62, 63, 256, 259]]
     candidates = [CANDIDATES[0], CANDIDATES[1]]
@@ -89,7 +100,7 @@ def test_reusing_the_shared_prefix_cache_equals_the_uncached_forward(model, lora
 
 
 def test_shared_prefix_leaves_every_prompt_its_last_token():
-    from llamagym.agent.choosing import shared_prefix
+    from llamagym.algos.modes.score import shared_prefix
 
     assert shared_prefix([[1, 2, 3], [1, 2, 3]]) == 2
     assert shared_prefix([[1, 2, 3], [1, 9, 3]]) == 1
@@ -108,20 +119,20 @@ def test_a_repeated_input_is_scored_once_per_policy_version(model, tokenizer, lo
     )
     prompts, candidates = [PROMPTS[0], PROMPTS[1], PROMPTS[0]], [CANDIDATES[0], CANDIDATES[1], CANDIDATES[0]]
     torch.manual_seed(0)
-    sampled = [actor.choose(prompts, candidates) for _ in range(200)]
+    sampled = [choose(actor, prompts, candidates) for _ in range(200)]
     assert scored_rows == [2]  # two distinct inputs, scored once for all 200 steps
     expected = [manual_scores(policy, p, c).softmax(-1) for p, c in zip(PROMPTS, CANDIDATES, strict=True)]
     for slot, which in enumerate([0, 1, 0]):  # each env samples its own action from its state's distribution
         counts = torch.bincount(torch.tensor([step[slot] for step in sampled]), minlength=len(CANDIDATES[which]))
         torch.testing.assert_close(counts / 200, expected[which].detach(), atol=0.12, rtol=0)
-    assert actor.choose(prompts, candidates, greedy=True) == [int(e.argmax()) for e in (*expected, expected[0])]
+    assert choose(actor, prompts, candidates, greedy=True) == [int(e.argmax()) for e in (*expected, expected[0])]
     policy.version += 1  # the weights changed (an optimizer step or a load): the distributions are scored again
-    actor.choose(prompts, candidates)
+    choose(actor, prompts, candidates)
     assert scored_rows == [2, 2]
 
 
 def test_token_chunks_cut_in_order_within_the_budget():
-    from llamagym.agent.choosing import token_chunks
+    from llamagym.algos.modes.score import token_chunks
 
     assert token_chunks([3, 4, 2, 9, 1], size=lambda n: n, budget=7) == [[3, 4], [2], [9], [1]]
     assert token_chunks([], size=len, budget=5) == []
@@ -134,14 +145,14 @@ def test_scoring_within_a_token_budget_gives_the_same_distributions(model, token
     policy = Policy(model, lora_config, precision="fp32")
     actor = Actor(policy, ChatFormatter(tokenizer), 256, {256}, {"max_new_tokens": 4, "temperature": 1.0})
     actor.reuse_prefix = False
-    greedy = actor.choose(PROMPTS, CANDIDATES, greedy=True)
-    whole = [actor._scores[(tuple(p), tuple(map(tuple, c)))] for p, c in zip(PROMPTS, CANDIDATES, strict=True)]
+    greedy = choose(actor, PROMPTS, CANDIDATES, greedy=True)
+    whole = [scores(actor)[(tuple(p), tuple(map(tuple, c)))] for p, c in zip(PROMPTS, CANDIDATES, strict=True)]
     scored_rows, score = [], policy.score
     monkeypatch.setattr(
         policy, "score", lambda batch, **k: scored_rows.append(len(batch.input_ids)) or score(batch, **k)
     )
     policy.version += 1
     actor.score_tokens = 1  # one input per forward
-    assert actor.choose(PROMPTS, CANDIDATES, greedy=True) == greedy and scored_rows == [1] * len(PROMPTS)
+    assert choose(actor, PROMPTS, CANDIDATES, greedy=True) == greedy and scored_rows == [1] * len(PROMPTS)
     for (p, c), expected in zip(zip(PROMPTS, CANDIDATES, strict=True), whole, strict=True):
-        torch.testing.assert_close(actor._scores[(tuple(p), tuple(map(tuple, c)))], expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(scores(actor)[(tuple(p), tuple(map(tuple, c)))], expected, atol=1e-5, rtol=0)

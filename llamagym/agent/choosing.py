@@ -11,7 +11,6 @@ import logging
 from typing import NamedTuple
 
 from ..algos.modes import MODES, ActionMode
-from ..algos.modes.score import shared_prefix, token_chunks  # noqa: F401  (their former home; tests import them here)
 from ..models.policy import Policy
 from .chat import ChatFormatter, Message
 from .demos import response_ids
@@ -57,15 +56,6 @@ class Actor:
                 memory.clear()
             self._memory_stamp = stamp
         return self._memory.setdefault(mode.name, {})
-
-    @property
-    def _scores(self) -> dict:
-        """The score mode's memory: each distinct input's log-probs over its candidates (for inspection)."""
-        return self._memory.setdefault("score", {})
-
-    def choose(self, prompts: list[list[int]], candidates: list[list[list[int]]], greedy: bool = False) -> list[int]:
-        """The score mode's choice among `candidates` for each prompt (its index): a shortcut to `ScoreMode.choose`."""
-        return [c.choice for c in MODES["score"].choose(self, prompts, candidates, greedy)]
 
     def candidate_ids(self, text: str) -> list[int]:
         """Token ids of `text` as an assistant reply (chat-template exact, with its end-of-turn token); cached."""
