@@ -119,11 +119,13 @@ def test_scale_advantages_golden_values():
         ppo.scale_advantages(advantages, "rank", 1.0)
 
 
-def scored_episodes(rewards, choices):
-    return [
-        Episode([Turn(p, c[k], r, candidates=c, choice=k)])
+def scored_episodes(rewards, choices, turns=1):
+    """One scored turn per reward, `turns` consecutive turns to an episode."""
+    steps = [
+        Turn(p, c[k], r, candidates=c, choice=k)
         for p, c, r, k in zip(PROMPTS * 4, CANDIDATES * 4, rewards, choices, strict=False)
     ]
+    return [Episode(steps[i : i + turns]) for i in range(0, len(steps), turns)]
 
 
 def distributions(policy):
@@ -131,9 +133,9 @@ def distributions(policy):
         return policy.score(collate_scored(PROMPTS, CANDIDATES, pad_token_id=256)).logprobs
 
 
-def update_kl(model, lora_config, tokenizer, rewards, history=(), **overrides):
-    """The mean KL(before || after) over the three inputs of one whole-batch natural-gradient update on `rewards`,
-    after updates on each batch of rewards in `history`."""
+def update_kl(model, lora_config, tokenizer, rewards, history=(), turns=1, **overrides):
+    """The mean KL(before || after) over the three inputs of one whole-batch natural-gradient update on `rewards`
+    (episodes of `turns` turns), after updates on each batch of rewards in `history`."""
     config = PPOConfig(
         **{
             "natural_gradient": True,
@@ -150,9 +152,9 @@ def update_kl(model, lora_config, tokenizer, rewards, history=(), **overrides):
     with torch.no_grad():  # a value head that is a little off everywhere, as after any training
         weight.copy_(0.05 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)))
     for earlier in history:
-        trainer.step(scored_episodes(earlier, [0, 1, 0, 1, 0, 1]))
+        trainer.step(scored_episodes(earlier, [0, 1, 0, 1, 0, 1], turns))
     before = distributions(trainer.policy)
-    stats = trainer.step(scored_episodes(rewards, [0, 1, 0, 1, 0, 1]))
+    stats = trainer.step(scored_episodes(rewards, [0, 1, 0, 1, 0, 1], turns))
     return float(categorical_kl(before, distributions(trainer.policy)).mean()), stats
 
 
@@ -163,6 +165,17 @@ def test_a_batch_of_equal_returns_does_not_move_the_policy(model, lora_config, t
     moved, stats = update_kl(model, lora_config, tokenizer, solved, learning, advantage_scale=scale)
     assert stats["adv/equal_returns"] == 1.0 and stats["ppo/value_loss"] > 0
     assert moved < 1e-9
+
+
+def test_equal_returns_of_multi_turn_episodes_do_not_move_the_policy(model, lora_config, tokenizer):
+    # Episodes of two turns, each paying 1 at the end: every turn's return is 1. With lam = 0.95 the estimator's
+    # targets mix in the value head's estimates, which differ by turn, so they are not equal; the batch still says
+    # nothing about which action was better, and must not move the policy.
+    learning = [[0.0, 1.0, 0.0, 0.0, 0.0, 1.0]]
+    solved = [0.0, 1.0] * 3
+    moved, stats = update_kl(model, lora_config, tokenizer, solved, learning, turns=2, lam=0.95)
+    assert stats["adv/return_std"] > 1e-3  # the targets differ: the old test (their spread) did not see this batch
+    assert stats["adv/equal_returns"] == 1.0 and moved < 1e-9
 
 
 @pytest.mark.parametrize("micro", [None, 1])  # micro-batches of one input: their candidate counts differ

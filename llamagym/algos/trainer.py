@@ -155,7 +155,7 @@ class PPOTrainer:
         self.return_moments.update(returns)
         spread = {"adv/raw_std": _std(advantages), "adv/return_std": _std(returns), **estimator_stats}
         if self.estimator.needs_value and cfg.whiten_advantages and len(advantages) >= 2:
-            if spread["adv/return_std"] <= 1e-6 * (1.0 + float(returns.abs().max())):
+            if _equal_returns(scored, cfg.gamma):
                 # every action led to the same return: nothing says one was better, and what A = R - V holds is
                 # the value head's error, which whitening would blow up into full-size steps (a solved policy
                 # then collapses). No policy step; the value head still learns.
@@ -641,6 +641,19 @@ def _shared_input_ids(mode, turns: list[Turn]) -> torch.Tensor:
     shared = numbered([key for keys in everyone for key in keys])
     start = sum(len(keys) for keys in everyone[: distributed.rank()])
     return shared[start : start + len(local)]
+
+
+def _equal_returns(batch: estimators.AdvantageBatch, gamma: float) -> bool:
+    """Whether every turn of the batch led to the same discounted reward-to-go, so no action did better than another.
+
+    The rewards' own returns, not the estimator's targets: with lam < 1 those mix in the value head's estimates, so a
+    solved game's batch of equal returns looks varied by the value head's error alone. A truncated episode's return
+    is unknown (it would bootstrap), so a batch with one is never called equal.
+    """
+    if not bool(batch.terminal.all()):
+        return False
+    returns = estimators.returns_to_go(batch.rewards, batch.episode, gamma)
+    return float(returns.max() - returns.min()) <= 1e-6 * (1.0 + float(returns.abs().max()))
 
 
 def _batch_return(episodes: list[Episode]) -> float:
