@@ -648,11 +648,14 @@ def _equal_returns(batch: estimators.AdvantageBatch, gamma: float) -> bool:
 
     The rewards' own returns, not the estimator's targets: with lam < 1 those mix in the value head's estimates, so a
     solved game's batch of equal returns looks varied by the value head's error alone. A truncated episode's return
-    is unknown (it would bootstrap), so a batch with one is never called equal.
+    is unknown (it would bootstrap), so a batch with one is never called equal; nor is one with a non-finite reward
+    (its steps are skipped as such).
     """
     if not bool(batch.terminal.all()):
         return False
     returns = estimators.returns_to_go(batch.rewards, batch.episode, gamma)
+    if not bool(torch.isfinite(returns).all()):
+        return False
     return float(returns.max() - returns.min()) <= 1e-6 * (1.0 + float(returns.abs().max()))
 
 
