@@ -82,6 +82,8 @@ class PPOConfig:
     # llamagym.algos.natural_gradient); None = in scoring mode when every trained weight is in a Linear layer (LoRA)
     natural_step: float = 1.0  # natural_gradient: output move per unit of an input's per-turn output gradient
     natural_damping: float = 0.1  # natural_gradient: relative damping (larger is closer to a plain gradient step)
+    average_updates: int = 10  # greedy acting uses the adapter's average over about this many updates (Polyak;
+    # llamagym.algos.averaging); sampling and training keep the current weights; 0 = the current weights
     anneal_updates: int = 0  # adapter step (learning_rate, natural_step) falls linearly to 0 over N updates; 0 = off
     seed: int = 0  # seed of the minibatch shuffles and replay sampling
     max_skipped_steps: int = 10  # optimizer steps skipped in a row (non-finite loss/gradient) before the run stops
@@ -132,6 +134,7 @@ class PPOConfig:
                 "natural_gradient": (lambda v: v is None or isinstance(v, bool), "True, False or None (automatic)"),
                 "natural_step": positive,
                 "natural_damping": positive,
+                "average_updates": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0 = no averaging)"),
                 "anneal_updates": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0 = no annealing)"),
                 "seed": (_int, "an integer"),
                 "max_skipped_steps": count,

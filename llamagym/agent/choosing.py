@@ -8,6 +8,7 @@ scoring settings, and each mode's memory between steps, emptied whenever the pol
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from typing import NamedTuple
 
 from ..algos.modes import MODES, ActionMode
@@ -155,7 +156,8 @@ def decide(agent, observations: list, histories: list, wheres: list[str], greedy
         raise ValueError("action_candidates returned a list for some envs and None for others in one step.")
     mode = fixed or MODES["score" if listed else "generate"]
     cand_ids = [[agent.actor.candidate_ids(t) for t in texts] for texts in candidates] if listed else None
-    choices = mode.choose(agent.actor, prompts, cand_ids, greedy)
+    with agent.trainer.greedy_weights() if greedy else nullcontext():  # greedy: the averaged adapter
+        choices = mode.choose(agent.actor, prompts, cand_ids, greedy)
     decisions = []
     for k, (where, texts, chosen) in enumerate(zip(wheres, candidates, choices, strict=True)):
         if chosen.choice is not None:  # a listed reply: its text as the hook gave it

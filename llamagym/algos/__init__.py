@@ -10,4 +10,5 @@
 - `natural_gradient.py` natural-gradient steps over the batch's distinct inputs (`NaturalGradient`, an optimizer)
 - `trust_region.py`     the KL trust region every step is checked against (TRPO's line search)
 - `sft_replay.py`       the SFT warm-start replay buffer and its imitation loss
+- `averaging.py`        the adapter's average over the last updates, which greedy acting uses (Polyak averaging)
 """

@@ -34,7 +34,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -42,6 +42,7 @@ from .. import distributed
 from ..config import PPOConfig, ReplayConfig
 from ..models.policy import Policy
 from . import estimators, ppo
+from .averaging import WeightAverage
 from .modes import mode_of
 from .natural_gradient import NaturalGradient, RowGradients
 from .rollout import Episode, Turn, UpdateBatch, collate, minibatch_indices, numbered, prompt_batch
@@ -93,6 +94,7 @@ class PPOTrainer:
         policy.value_head.detach_input = self.natural is not None
         self.policy_optimizer: torch.optim.AdamW | NaturalGradient = self.optimizer  # this update's (see `step`)
         self.trust_region = TrustRegion(lm_params, config.max_kl) if config.max_kl is not None else None
+        self.average = WeightAverage(lm_params, config.average_updates) if config.average_updates else None
         self.return_moments = ppo.RunningMoments()  # every return so far: the scale of advantage_scale="returns"
         self.generator = torch.Generator().manual_seed(config.seed)
         self.num_updates = 0
@@ -223,6 +225,8 @@ class PPOTrainer:
         sft_stats = self._sft(episodes) if self.replay is not None else {}
 
         self.num_updates += 1
+        if self.average is not None:
+            self.average.update()
         result = {key: sum(values) / len(values) for key, values in stats.items() if values}
         if "trust/scale" in stats:
             result["trust/undone"] = float(sum(scale == 0 for scale in stats["trust/scale"]))
@@ -252,6 +256,21 @@ class PPOTrainer:
         if math.isfinite(explained):  # undefined when every return is equal: left out, so metrics stay strict JSON
             result["ppo/explained_variance"] = explained
         return result
+
+    @contextmanager
+    def greedy_weights(self):
+        """Inside this block the adapter holds the weights greedy acting uses: their average over the last
+        `average_updates` updates (`averaging.WeightAverage`), or the current ones (averaging off, or no update yet).
+        Cached outputs of either go stale on the way in and out."""
+        if self.average is None or self.average.mean is None:
+            yield
+            return
+        try:
+            with self.average.swapped():
+                self._moved()
+                yield
+        finally:
+            self._moved()
 
     # ---- pieces ----------------------------------------------------------------------------------------------
     def _anneal(self) -> None:
@@ -595,6 +614,7 @@ class PPOTrainer:
             "replay": self.replay.state_dict() if self.replay is not None else None,
             "return_moments": self.return_moments.state_dict(),
             "trust_start": self.trust_region.start if self.trust_region is not None else None,
+            "average": self.average.state_dict() if self.average is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -610,6 +630,8 @@ class PPOTrainer:
             self.return_moments.load_state_dict(state["return_moments"])
         if self.trust_region is not None and state.get("trust_start") is not None:
             self.trust_region.start = state["trust_start"]
+        if self.average is not None and state.get("average") is not None:  # absent before averaging existed
+            self.average.load_state_dict(state["average"])
 
 
 def distinct_prompts(turns: list[Turn]) -> torch.Tensor:

@@ -1,0 +1,82 @@
+"""Polyak averaging: the greedy policy acts with the adapter's average over the last updates, sampling with the
+current weights."""
+
+import pytest
+import torch
+
+from llamagym import Agent, PPOConfig
+from llamagym.algos.averaging import WeightAverage, average_weight
+from llamagym.algos.modes import MODES
+from tests.envs import CountingEnv
+
+
+@pytest.mark.parametrize("count, horizon, expected", [(1, 10, 1.0), (4, 10, 0.25), (40, 10, 0.1), (7, 1, 1.0)])
+def test_average_weight_golden_values(count, horizon, expected):
+    assert average_weight(count, horizon) == expected
+
+
+def test_average_weight_rejects_no_update_and_no_horizon():
+    with pytest.raises(ValueError, match="count >= 1 and horizon >= 1"):
+        average_weight(0, 10)
+
+
+def test_the_average_is_the_mean_then_exponential_and_lent_only_inside_swapped():
+    w = torch.nn.Parameter(torch.zeros(2))
+    average = WeightAverage([w], horizon=2)
+    with average.swapped():  # no update yet: the weights themselves
+        torch.testing.assert_close(w.detach(), torch.zeros(2))
+    for value in (1.0, 3.0, 5.0):  # mean 1, then (1 + 3) / 2 = 2, then 2 + (5 - 2) / 2 = 3.5
+        with torch.no_grad():
+            w.fill_(value)
+        average.update()
+    assert average.count == 3
+    with average.swapped():
+        torch.testing.assert_close(w.detach(), torch.full((2,), 3.5))
+    torch.testing.assert_close(w.detach(), torch.full((2,), 5.0))
+    with pytest.raises(RuntimeError, match="inside"), average.swapped():
+        raise RuntimeError("inside")
+    torch.testing.assert_close(w.detach(), torch.full((2,), 5.0))  # restored after an error too
+
+    again = WeightAverage([w], horizon=2)
+    again.load_state_dict(average.state_dict())
+    assert again.count == 3
+    torch.testing.assert_close(again.mean[0], torch.full((2,), 3.5))
+
+
+class YesNoAgent(Agent):
+    action_names = ["yes", "no"]
+
+    def get_system_prompt(self):
+        return "Answer yes or no."
+
+    def format_observation(self, observation):
+        return f"step {observation}"
+
+    def extract_action(self, response):
+        return {"yes": 0, "no": 1}.get(response.strip())
+
+
+def test_greedy_acting_scores_with_the_average_and_sampling_with_the_current_weights(model, tokenizer, lora_config):
+    config = PPOConfig(batch_size=2, average_updates=3, natural_gradient=False, max_kl=None, learning_rate=0.05)
+    agent = YesNoAgent(model, tokenizer, "cpu", ppo_config=config, lora_config=lora_config, precision="fp32")
+    env = CountingEnv(length=2)
+    for _ in range(4):  # two updates
+        observation, done = env.reset()[0], False
+        while not done:
+            observation, reward, terminated, truncated, _ = env.step(agent.act(observation))
+            agent.assign_reward(reward + float(observation % 2))
+            done = terminated or truncated
+        agent.terminate_episode()
+    average = agent.trainer.average
+    assert average.count == 2
+    scores = agent.actor.memory(MODES["score"])  # one dict, emptied at the next act whenever the weights changed
+    agent.predict([0])
+    (greedy,) = scores.values()
+    agent.predict([0], greedy=False)  # sampled, from the same fresh context
+    (sampled,) = scores.values()
+    assert not torch.allclose(greedy, sampled)  # the average is not the latest weights
+    with average.swapped():  # the average lent by hand: sampling with it scores what greedy acting scored
+        agent.policy.version += 1
+        agent.predict([0], greedy=False)
+        (by_hand,) = scores.values()
+    torch.testing.assert_close(greedy, by_hand)
