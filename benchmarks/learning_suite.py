@@ -162,9 +162,17 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
     def record():
         start = time.perf_counter()
         figures = suite.evaluate(game, agent)
-        clock["eval"] += time.perf_counter() - start
         point = {k: clock[k] for k in ("train", "updates", "episodes")}
         point.update(normalised=figures["normalised"], score=figures["score"], invalid=figures.get("invalid_rate"))
+        average = agent.trainer.average
+        if average is not None and average.mean is not None:  # side by side: the greedy policy of the latest weights
+            agent.trainer.average = None
+            try:
+                latest = suite.evaluate(game, agent)
+            finally:
+                agent.trainer.average = average
+            point.update(latest_normalised=latest["normalised"], latest_score=latest["score"])
+        clock["eval"] += time.perf_counter() - start
         curve.append(point)
         return figures
 
@@ -229,6 +237,8 @@ def run_record(game, mode: str, seed: int, curve, final: dict, clock: dict, inva
         "before": scores[0],
         "best": max(scores),
         "final": scores[-1],
+        # the greedy policy of the latest weights, evaluated beside the averaged one (PPOConfig.average_updates)
+        "final_latest": curve[-1].get("latest_normalised"),
         **{f"t{int(th * 100)}": next((p["train"] for p in curve if p["normalised"] >= th), None) for th in THRESHOLDS},
         "invalid_train": invalid_train[-1] if invalid_train else None,
         "invalid_final": final.get("invalid_rate"),
@@ -287,10 +297,12 @@ def markdown(runs: list[dict], header: dict) -> str:
         "",
         "Normalised scores (0 = uniform random play, 1 = optimal), exact evaluations of the greedy policy. "
         "t50/t80: training seconds to first reach 0.5/0.8. invalid: share of unparsable replies in the last "
-        "update's batch (generate mode).",
+        "update's batch (generate mode). latest: the final greedy policy of the latest weights instead of their "
+        "average over the last updates (`PPOConfig.average_updates`; - when off).",
         "",
-        "| game | mode | seed | before | best | final | t50 (s) | t80 (s) | invalid | updates | s/update | RSS (GiB) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| game | mode | seed | before | best | final | latest | t50 (s) | t80 (s) | invalid | updates | s/update "
+        "| RSS (GiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in runs:
         if "error" in r:
@@ -299,7 +311,8 @@ def markdown(runs: list[dict], header: dict) -> str:
         invalid = _fmt(r["invalid_train"]) if r["mode"].startswith("generate") else "-"
         lines.append(
             f"| {r['game']} | {r['mode']} | {r['seed']} | {r['before']:.2f} | {r['best']:.2f} | {r['final']:.2f} "
-            f"| {_fmt(r['t50'], '.0f')} | {_fmt(r['t80'], '.0f')} | {invalid} | {r['updates']} "
+            f"| {_fmt(r.get('final_latest'))} | {_fmt(r['t50'], '.0f')} | {_fmt(r['t80'], '.0f')} | {invalid} "
+            f"| {r['updates']} "
             f"| {_fmt(r['s_per_update'], '.1f')} | {r['peak_rss_gib']:.2f} |"
         )
     return "\n".join(lines) + "\n"

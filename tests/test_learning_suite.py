@@ -25,8 +25,10 @@ def test_quick_suite_trains_and_evaluates_every_game_in_both_modes(tmp_path):
         assert run["curve"][0]["train"] == 0 and run["train_s"] >= 3.0  # before training, then the budget
         assert run["best"] >= max(run["before"], run["final"])
         assert run["peak_rss_gib"] > 0 and run["final_figures"]["random"] < run["final_figures"]["optimal"]
+        if run["updates"]:  # greedy acting uses the averaged adapter: the latest weights are evaluated beside it
+            assert run["final_latest"] == run["curve"][-1]["latest_normalised"]
     table = (tmp_path / "results.md").read_text()
-    assert "| game | mode | seed | before | best | final |" in table and "model: tiny-random" in table
+    assert "| game | mode | seed | before | best | final | latest |" in table and "model: tiny-random" in table
     assert all((tmp_path / f"{game}.png").stat().st_size > 0 for game in suite.GAMES)
 
 
