@@ -279,6 +279,9 @@ class Agent(ABC):
     def predict(self, observations, greedy: bool = True, chunk: int = 64) -> list:
         """Actions for observations seen afresh (no conversation history), recording nothing: for evaluation.
 
+        Greedy actions come from the adapter averaged over the last updates (`PPOConfig.average_updates`), sampled
+        ones from the latest weights, as in training.
+
         Runs in float32 (`Policy.float32`), so greedy actions are the same on any thread count and in any chunk:
         under bf16, rounding can flip near-tied choices, and the evaluated policy would depend on the machine.
         """
@@ -372,7 +375,8 @@ class Agent(ABC):
 
     @contextlib.contextmanager
     def evaluating(self):
-        """Inside this context the agent acts greedily and its episodes are not trained on."""
+        """Inside this context the agent acts greedily, with the adapter averaged over the last updates
+        (`PPOConfig.average_updates`), and its episodes are not trained on."""
         previous, self.greedy = self.greedy, True
         try:
             yield self
