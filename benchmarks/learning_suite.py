@@ -166,11 +166,8 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
         point.update(normalised=figures["normalised"], score=figures["score"], invalid=figures.get("invalid_rate"))
         average = agent.trainer.average
         if average is not None and average.mean is not None:  # side by side: the greedy policy of the latest weights
-            agent.trainer.average = None
-            try:
+            with agent.trainer.latest_weights():
                 latest = suite.evaluate(game, agent)
-            finally:
-                agent.trainer.average = average
             point.update(latest_normalised=latest["normalised"], latest_score=latest["score"])
         clock["eval"] += time.perf_counter() - start
         curve.append(point)

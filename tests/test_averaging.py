@@ -75,6 +75,11 @@ def test_greedy_acting_scores_with_the_average_and_sampling_with_the_current_wei
     agent.predict([0], greedy=False)  # sampled, from the same fresh context
     (sampled,) = scores.values()
     assert not torch.allclose(greedy, sampled)  # the average is not the latest weights
+    with agent.trainer.latest_weights():  # greedy acting with the latest weights, as the benchmark compares them
+        agent.predict([0])
+        (latest,) = scores.values()
+    torch.testing.assert_close(latest, sampled)
+    assert agent.trainer.average is average
     with average.swapped():  # the average lent by hand: sampling with it scores what greedy acting scored
         agent.policy.version += 1
         agent.predict([0], greedy=False)

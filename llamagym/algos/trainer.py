@@ -272,6 +272,15 @@ class PPOTrainer:
         finally:
             self._moved()
 
+    @contextmanager
+    def latest_weights(self):
+        """Inside this block greedy acting uses the latest weights, not their average (to compare the two)."""
+        average, self.average = self.average, None
+        try:
+            yield
+        finally:
+            self.average = average
+
     # ---- pieces ----------------------------------------------------------------------------------------------
     def _anneal(self) -> None:
         """Set this update's adapter step size (`anneal_updates`); the value head keeps its learning rate."""
