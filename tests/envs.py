@@ -1,6 +1,8 @@
-"""Small Gymnasium envs shared by the tests."""
+"""Small Gymnasium envs, and an agent that plays them, shared by the tests."""
 
 import gymnasium as gym
+
+from llamagym import Agent
 
 
 class CountingEnv(gym.Env):
@@ -20,3 +22,19 @@ class CountingEnv(gym.Env):
     def step(self, action):
         self.t += 1
         return self.t, self.reward(action, self.t), self.t >= self.length, False, {}
+
+
+class YesNoAgent(Agent):
+    """Scores "no" (action 0) and "yes" (action 1) after "Turn {observation}."; a CountingEnv's player."""
+
+    action_names = ["no", "yes"]
+
+    def get_system_prompt(self):
+        return "Say yes or no."
+
+    def format_observation(self, observation):
+        return f"Turn {observation}."
+
+    def extract_action(self, response):
+        words = response.lower().split()
+        return 1 if "yes" in words else 0 if "no" in words else None

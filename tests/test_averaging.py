@@ -4,10 +4,11 @@ current weights."""
 import pytest
 import torch
 
-from llamagym import Agent, PPOConfig
+from llamagym import PPOConfig
 from llamagym.algos.averaging import WeightAverage, average_weight
 from llamagym.algos.modes import MODES
-from tests.envs import CountingEnv
+from llamagym.envs import AgentPolicy
+from tests.envs import CountingEnv, YesNoAgent
 
 
 @pytest.mark.parametrize("count, horizon, expected", [(1, 10, 1.0), (4, 10, 0.25), (40, 10, 0.1), (7, 1, 1.0)])
@@ -43,20 +44,8 @@ def test_the_average_is_the_mean_then_exponential_and_lent_only_inside_swapped()
     torch.testing.assert_close(again.mean[0], torch.full((2,), 3.5))
 
 
-class YesNoAgent(Agent):
-    action_names = ["yes", "no"]
-
-    def get_system_prompt(self):
-        return "Answer yes or no."
-
-    def format_observation(self, observation):
-        return f"step {observation}"
-
-    def extract_action(self, response):
-        return {"yes": 0, "no": 1}.get(response.strip())
-
-
-def test_greedy_acting_scores_with_the_average_and_sampling_with_the_current_weights(model, tokenizer, lora_config):
+def trained(model, tokenizer, lora_config) -> YesNoAgent:
+    """An agent after two updates, averaging over 3."""
     config = PPOConfig(batch_size=2, average_updates=3, natural_gradient=False, max_kl=None, learning_rate=0.05)
     agent = YesNoAgent(model, tokenizer, "cpu", ppo_config=config, lora_config=lora_config, precision="fp32")
     env = CountingEnv(length=2)
@@ -67,6 +56,11 @@ def test_greedy_acting_scores_with_the_average_and_sampling_with_the_current_wei
             agent.assign_reward(reward + float(observation % 2))
             done = terminated or truncated
         agent.terminate_episode()
+    return agent
+
+
+def test_greedy_acting_scores_with_the_average_and_sampling_with_the_current_weights(model, tokenizer, lora_config):
+    agent = trained(model, tokenizer, lora_config)
     average = agent.trainer.average
     assert average.count == 2
     scores = agent.actor.memory(MODES["score"])  # one dict, emptied at the next act whenever the weights changed
@@ -85,3 +79,15 @@ def test_greedy_acting_scores_with_the_average_and_sampling_with_the_current_wei
         agent.predict([0], greedy=False)
         (by_hand,) = scores.values()
     torch.testing.assert_close(greedy, by_hand)
+
+
+def test_an_evaluation_lends_the_average_once_for_all_its_chunks(model, tokenizer, lora_config):
+    agent = trained(model, tokenizer, lora_config)
+    weights = [p.detach().clone() for p in agent.trainer.average.params]
+    version = agent.policy.version
+    agent.predict([0, 1, 2, 3, 4], chunk=2)  # three chunks
+    assert agent.policy.version == version + 2  # lent in and given back once: the chunks share the cached scores
+    AgentPolicy(agent, chunk=2)([[0], [1], [2]])  # the suite's evaluator, likewise
+    assert agent.policy.version == version + 4
+    for p, before in zip(agent.trainer.average.params, weights, strict=True):
+        torch.testing.assert_close(p.detach(), before, atol=0, rtol=0)  # the latest weights are back

@@ -8,10 +8,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import gymnasium as gym
 import pytest
 
-from llamagym import Agent
 from llamagym.envs import AgentPolicy, Game, TextPolicy, evaluate, markov, openai_chat
 from llamagym.envs.suite import Transition, play_out, summary
-from tests.envs import CountingEnv
+from tests.envs import CountingEnv, YesNoAgent
 
 TURNS = 3  # CountingEnv: the observation is the turn number, action 1 earns 1, it ends after TURNS turns
 
@@ -22,22 +21,8 @@ def steps_evaluate(decide):
     return {**figures, "actions": out.leaves[0].actions}
 
 
-class StepsAgent(Agent):
-    action_names = ["no", "yes"]
-
-    def get_system_prompt(self):
-        return "Say yes or no."
-
-    def format_observation(self, observation):
-        return f"Turn {observation}."
-
-    def extract_action(self, response):
-        words = response.lower().split()
-        return 1 if "yes" in words else 0 if "no" in words else None
-
-
 gym.register(id="llamagym-test/Steps-v0", entry_point=CountingEnv, kwargs={"length": TURNS})
-STEPS = Game("steps", "llamagym-test/Steps-v0", "unused", StepsAgent, steps_evaluate, lambda obs: 1)
+STEPS = Game("steps", "llamagym-test/Steps-v0", "unused", YesNoAgent, steps_evaluate, lambda obs: 1)
 
 
 @pytest.fixture
@@ -115,7 +100,7 @@ def test_text_policy_keeps_only_context_turns_exchanges():
         seen.append(messages)
         return "no"
 
-    class OneTurnContext(StepsAgent):
+    class OneTurnContext(YesNoAgent):
         context_turns = 1
 
     steps_evaluate(TextPolicy(reply, OneTurnContext))
@@ -125,7 +110,7 @@ def test_text_policy_keeps_only_context_turns_exchanges():
 @pytest.mark.parametrize("mode", ["score", "generate"])
 def test_agent_policy_replays_exactly_what_the_greedy_agent_plays(model, tokenizer, mode):
     """The evaluator's paths rebuild the agent's own conversation: its greedy actions equal those of act()."""
-    agent = StepsAgent(model, tokenizer, action_mode=mode, generation_config={"max_new_tokens": 3})
+    agent = YesNoAgent(model, tokenizer, action_mode=mode, generation_config={"max_new_tokens": 3})
     evaluated = steps_evaluate(AgentPolicy(agent))["actions"]
     env, played = CountingEnv(length=TURNS), []
     observation, _ = env.reset()
@@ -140,7 +125,7 @@ def test_agent_policy_replays_exactly_what_the_greedy_agent_plays(model, tokeniz
 
 
 def test_a_markov_agent_policy_equals_predict(model, tokenizer):
-    class MarkovSteps(StepsAgent):
+    class MarkovSteps(YesNoAgent):
         context_turns = 0
 
     agent = MarkovSteps(model, tokenizer)

@@ -286,7 +286,8 @@ class Agent(ABC):
         under bf16, rounding can flip near-tied choices, and the evaluated policy would depend on the machine.
         """
         observations, actions = list(observations), []
-        with self.policy.float32():
+        lent = self.trainer.greedy_weights() if greedy else contextlib.nullcontext()  # once for every chunk
+        with self.policy.float32(), lent:
             for start in range(0, len(observations), chunk):  # bounded memory however many observations
                 part = observations[start : start + chunk]
                 wheres = [f"predict({start + i})" for i in range(len(part))]

@@ -95,6 +95,7 @@ class PPOTrainer:
         self.policy_optimizer: torch.optim.AdamW | NaturalGradient = self.optimizer  # this update's (see `step`)
         self.trust_region = TrustRegion(lm_params, config.max_kl) if config.max_kl is not None else None
         self.average = WeightAverage(lm_params, config.average_updates) if config.average_updates else None
+        self._lent = False  # greedy_weights() has lent the average to the adapter
         self.return_moments = ppo.RunningMoments()  # every return so far: the scale of advantage_scale="returns"
         self.generator = torch.Generator().manual_seed(config.seed)
         self.num_updates = 0
@@ -261,15 +262,18 @@ class PPOTrainer:
     def greedy_weights(self):
         """Inside this block the adapter holds the weights greedy acting uses: their average over the last
         `average_updates` updates (`averaging.WeightAverage`), or the current ones (averaging off, or no update yet).
-        Cached outputs of either go stale on the way in and out."""
-        if self.average is None or self.average.mean is None:
+        Cached outputs of either go stale on the way in and out. A nested block keeps the weights the outer one
+        lent: an evaluation holds them across all its calls, and its cached scores stay valid between them."""
+        if self._lent or self.average is None or self.average.mean is None:
             yield
             return
+        self._lent = True
         try:
             with self.average.swapped():
                 self._moved()
                 yield
         finally:
+            self._lent = False
             self._moved()
 
     @contextmanager

@@ -70,7 +70,7 @@ class AgentPolicy(_Replayed):
         for key, path in zip(keys, paths, strict=True):
             first.setdefault(key, path)
         todo = [key for key in first if key not in self._done]
-        with self.agent.policy.float32():
+        with self.agent.policy.float32(), self.agent.trainer.greedy_weights():  # lent once for every chunk
             for start in range(0, len(todo), self.chunk):
                 part = [first[key] for key in todo[start : start + self.chunk]]
                 histories = [self._history(path) for path in part]
