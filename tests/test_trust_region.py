@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from llamagym.algos import ppo
+from llamagym.algos.modes.score import relative_kl
 from llamagym.algos.rollout import Episode, Turn, collate_scored
 from llamagym.algos.trainer import PPOTrainer
 from llamagym.algos.trust_region import TrustRegion, categorical_kl, next_start, step_scale
@@ -25,6 +26,15 @@ def test_categorical_kl_golden_value_and_padding():
     # 0.5 ln(0.5/0.9) + 0.5 ln(0.5/0.1) = 0.5 * (-0.587787 + 1.609438) = 0.510826
     assert float(categorical_kl(p, q)) == pytest.approx(0.510826, abs=1e-6)
     assert float(categorical_kl(p, p)) == 0.0
+
+
+def test_relative_kl_golden_values_per_bit_of_choice():
+    old = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25], [1.0, 0.0, 0.0, 0.0]]).log()
+    new = torch.tensor([[0.9, 0.1, 0.0, 0.0], [0.7, 0.1, 0.1, 0.1], [1.0, 0.0, 0.0, 0.0]]).log()
+    # two candidates: nats = bits (0.510826); four: 0.25 (ln(0.25/0.7) + 3 ln 2.5) = 0.429815 nats over 2 bits
+    expected = torch.tensor([0.510826, 0.429815 / 2, 0.0])
+    torch.testing.assert_close(relative_kl(old, new), expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(relative_kl(old, new)[:2], categorical_kl(old, new)[:2] / torch.tensor([1.0, 2.0]))
 
 
 @pytest.mark.parametrize(
@@ -134,8 +144,9 @@ def distributions(policy):
 
 
 def update_kl(model, lora_config, tokenizer, rewards, history=(), turns=1, **overrides):
-    """The mean KL(before || after) over the three inputs of one whole-batch natural-gradient update on `rewards`
-    (episodes of `turns` turns), after updates on each batch of rewards in `history`."""
+    """The mean KL(before || after) per bit of choice (what the trust region bounds) over the three inputs of one
+    whole-batch natural-gradient update on `rewards` (episodes of `turns` turns), after updates on each batch of
+    rewards in `history`."""
     config = PPOConfig(
         **{
             "natural_gradient": True,
@@ -155,7 +166,7 @@ def update_kl(model, lora_config, tokenizer, rewards, history=(), turns=1, **ove
         trainer.step(scored_episodes(earlier, [0, 1, 0, 1, 0, 1], turns))
     before = distributions(trainer.policy)
     stats = trainer.step(scored_episodes(rewards, [0, 1, 0, 1, 0, 1], turns))
-    return float(categorical_kl(before, distributions(trainer.policy)).mean()), stats
+    return float(relative_kl(before, distributions(trainer.policy)).mean()), stats
 
 
 @pytest.mark.parametrize("scale", ["batch", "returns"])

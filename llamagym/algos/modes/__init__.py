@@ -125,7 +125,8 @@ class ActionMode(ABC):
 
     @abstractmethod
     def kl(self, data: UpdateBatch, part: torch.Tensor, now: Evaluation) -> torch.Tensor:
-        """(P,) KL(old || now) per turn of rows `part`, the old policy's outputs being `data`'s."""
+        """(P,) KL(old || now) per turn of rows `part`, the old policy's outputs being `data`'s: what the trust
+        region bounds (`PPOConfig.max_kl`), in the mode's own unit."""
 
     def empty_distributions(self, batch) -> torch.Tensor | None:
         """An (N, C) table for the old policy's distributions over the candidates, or None when there are none."""
