@@ -69,6 +69,7 @@ class PPOConfig:
     )
     # every return seen so far: a batch of equal returns stays near 0 instead of becoming unit noise), or "none"
     max_kl: float | None = 0.02  # trust region: backtrack each step until the mean KL(old || new) per turn <= this
+    # (scoring mode: per bit of choice, i.e. divided by log2 of the input's number of candidates)
     max_kl_generate: bool = False  # also bound generated replies (a noisy k3 estimate; scoring mode is always bound)
     kl_coef: float = 0.0  # (initial) weight of the per-turn KL to the reference policy in the reward; 0 = none
     kl_estimator: str = "k1"  # per-token estimator of kl_ref: k1, k2 or k3
