@@ -7,7 +7,8 @@ state far up. TRPO's answer (Schulman et al. 2015, arXiv:1502.05477, §6) bounds
 collected the batch and the new one, and backtracks a step until the bound holds and the surrogate objective
 improved. Here the KL is measured, not predicted: after each optimizer step the minibatch's distinct inputs are
 scored again (no gradient; in scoring mode the KL over the candidates is exact and counted per bit of choice,
-`modes.score.relative_kl`; in generate mode it is the k3 estimate on the sampled reply tokens) and the adapter is moved back along the step until it fits.
+`modes.score.relative_kl`; in generate mode it is the k3 estimate on the sampled reply tokens) and the adapter is
+moved back along the step until it fits.
 
 Each step starts at the scale the last accepted one suggests (`next_start`), as TRPO sizes its step to the bound
 before the line search: a proposal that keeps overshooting costs tries, and one that keeps undershooting leaves
