@@ -33,8 +33,10 @@ def test_relative_kl_golden_values_per_bit_of_choice():
     new = torch.tensor([[0.9, 0.1, 0.0, 0.0], [0.7, 0.1, 0.1, 0.1], [1.0, 0.0, 0.0, 0.0]]).log()
     # two candidates: nats = bits (0.510826); four: 0.25 (ln(0.25/0.7) + 3 ln 2.5) = 0.429815 nats over 2 bits
     expected = torch.tensor([0.510826, 0.429815 / 2, 0.0])
-    torch.testing.assert_close(relative_kl(old, new), expected, atol=1e-6, rtol=0)
-    torch.testing.assert_close(relative_kl(old, new)[:2], categorical_kl(old, new)[:2] / torch.tensor([1.0, 2.0]))
+    count = torch.tensor([2, 4, 1])
+    torch.testing.assert_close(relative_kl(old, new, count), expected, atol=1e-6, rtol=0)
+    plain = categorical_kl(old, new)[:2]
+    torch.testing.assert_close(relative_kl(old, new, count)[:2], plain / torch.tensor([1.0, 2.0]))
 
 
 @pytest.mark.parametrize(
@@ -166,7 +168,8 @@ def update_kl(model, lora_config, tokenizer, rewards, history=(), turns=1, **ove
         trainer.step(scored_episodes(earlier, [0, 1, 0, 1, 0, 1], turns))
     before = distributions(trainer.policy)
     stats = trainer.step(scored_episodes(rewards, [0, 1, 0, 1, 0, 1], turns))
-    return float(relative_kl(before, distributions(trainer.policy)).mean()), stats
+    count = torch.tensor([len(c) for c in CANDIDATES])
+    return float(relative_kl(before, distributions(trainer.policy), count).mean()), stats
 
 
 @pytest.mark.parametrize("scale", ["batch", "returns"])

@@ -125,18 +125,17 @@ class ScoreMode(ActionMode):
         plain nats, and every input is learned in about as many updates.
         """
         old = data.old_dists[part, : now.dists.shape[1]]
-        return relative_kl(old, now.dists)
+        return relative_kl(old, now.dists, data.batch.num_candidates[part])
 
 
-def relative_kl(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """(N,) KL(old || new) of each row of log-probabilities over its candidates, divided by log2 of their number
-    (-inf entries are padding; a row of one candidate has KL 0).
+def relative_kl(old: torch.Tensor, new: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """(N,) KL(old || new) of each row of log-probabilities over its `count` (N,) candidates, divided by log2 of
+    that number (-inf entries are padding; a row of one candidate has KL 0).
 
     Examples: old uniform over 2, new (0.9, 0.1): 0.5108 (nats = per bit); old uniform over 4, new (0.7, 0.1, 0.1,
     0.1): 0.4298 nats / 2 = 0.2149.
     """
-    count = torch.isfinite(old).sum(-1).clamp_min(2).to(old.dtype)
-    return categorical_kl(old, new) / torch.log2(count)
+    return categorical_kl(old, new) / torch.log2(count.clamp_min(2).to(old.dtype))
 
 
 def token_chunks(items: list, size: Callable[[Any], int], budget: int) -> list[list]:
