@@ -47,7 +47,8 @@ class PPOConfig:
     batch_size: int = 32  # episodes collected before each PPO update
     mini_batch_size: int | None = None  # turns per optimizer step; None = whole batch for natural steps, 8 for AdamW
     micro_batch_size: int | None = 8  # distinct inputs per forward/backward within a step (bounds memory); None = all
-    ppo_epochs: int = 2  # passes over the batch per update
+    ppo_epochs: int | None = None  # passes over the batch per update; None = 1 for whole-batch natural steps
+    # (scoring mode), 2 for AdamW steps
     gamma: float = 1.0  # discount across the turns of an episode
     lam: float = 0.95  # GAE lambda (1 = Monte-Carlo return, 0 = one-step TD)
     advantage: str = "gae"  # advantage estimator (llamagym.algos.estimators): gae (value head), or critic-free grpo,
@@ -104,7 +105,7 @@ class PPOConfig:
                 "batch_size": count,
                 "mini_batch_size": (lambda v: v is None or (_int(v) and v >= 1), "None or an integer >= 1"),
                 "micro_batch_size": (lambda v: v is None or (_int(v) and v >= 1), "None or an integer >= 1"),
-                "ppo_epochs": count,
+                "ppo_epochs": (lambda v: v is None or (_int(v) and v >= 1), "None or an integer >= 1"),
                 "gamma": unit,
                 "lam": unit,
                 "advantage": (

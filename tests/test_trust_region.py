@@ -220,7 +220,12 @@ def test_generate_mode_takes_plain_steps_without_the_noisy_bound_unless_asked(mo
     assert asked.policy_optimizer is asked.natural is not None and "trust/scale" in stats
 
 
-def test_minibatches_by_default_whole_batch_for_natural_steps_eight_turns_for_adamw(model, lora_config, tokenizer):
+def test_minibatches_by_default_one_whole_batch_natural_step_two_epochs_of_eight_turns_for_adamw(
+    model, lora_config, tokenizer
+):
+    """The defaults (`mini_batch_size=None`, `ppo_epochs=None`): a natural update is one step over the whole batch
+    (a second epoch, from the clipped loss, took back what the first had gained); AdamW takes two epochs of 8-turn
+    minibatches. An epoch count that is set is used as it is."""
     generated = [
         Episode([Turn(p, c[0], float(i % 2), candidates=None)])
         for i, (p, c) in enumerate(zip(PROMPTS * 4, CANDIDATES * 4, strict=True))
@@ -228,4 +233,6 @@ def test_minibatches_by_default_whole_batch_for_natural_steps_eight_turns_for_ad
     trainer = PPOTrainer(Policy(model, lora_config, precision="fp32"), PPOConfig(), tokenizer.pad_token_id)
     assert trainer.step(generated)["ppo/minibatches"] == 2 * 2  # 2 epochs x (8 + 2 turns): AdamW steps
     natural = trainer.step(scored_episodes([1.0, 0.0] * 5, [0, 1] * 5))
-    assert natural["ppo/minibatches"] == 2  # 2 epochs x the whole batch: one solve over its distinct inputs
+    assert natural["ppo/minibatches"] == 1  # the whole batch once: one solve over its distinct inputs
+    trainer.config.ppo_epochs = 3
+    assert trainer.step(scored_episodes([1.0, 0.0] * 5, [0, 1] * 5))["ppo/epochs_completed"] == 3

@@ -51,6 +51,7 @@ from .trust_region import TrustRegion
 
 logger = logging.getLogger(__name__)
 PLAIN_MINI_BATCH = 8  # turns per AdamW step when `mini_batch_size` is None
+PLAIN_EPOCHS = 2  # passes over the batch with AdamW (or minibatched natural) steps when `ppo_epochs` is None
 
 
 class PPOTrainer:
@@ -305,11 +306,15 @@ class PPOTrainer:
         """Each epoch's minibatches: a shuffled partition of the batch's `n` turns into chunks of `size` (the whole
         batch when `whole`).
 
+        Epochs: `ppo_epochs`, or when None one for whole-batch natural steps (a second step, from the clipped loss
+        after the first, took back what the inputs past the clip range had gained: docs/learning-that-holds.md) and
+        `PLAIN_EPOCHS` for the others.
+
         Data-parallel, every rank must take the same number of steps: the minibatch has `size` turns over all
         ranks, so each rank splits its own turns into ceil(all turns / size) near-equal chunks (no more than the
         fewest turns a rank has; one when `whole`).
         """
-        epochs = self.config.ppo_epochs
+        epochs = self.config.ppo_epochs or (1 if whole else PLAIN_EPOCHS)
         if not distributed.is_distributed():
             return [minibatch_indices(n, size, self.generator) for _ in range(epochs)]
         total, fewest = distributed.reduce_number(n), distributed.reduce_number(n, "min")
