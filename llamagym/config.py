@@ -97,15 +97,16 @@ class PPOConfig:
         unit = (lambda v: _num(v) and 0 <= v <= 1, "in the interval [0, 1]")
         non_negative = (lambda v: _num(v) and v >= 0, "a number >= 0")
         count = (lambda v: _int(v) and v >= 1, "an integer >= 1")
+        count_or_none = (lambda v: v is None or (_int(v) and v >= 1), "None or an integer >= 1")
         _check_fields(
             self,
             {
                 "learning_rate": positive,
                 "value_learning_rate": (lambda v: v is None or (_num(v) and v > 0), "None or a number > 0"),
                 "batch_size": count,
-                "mini_batch_size": (lambda v: v is None or (_int(v) and v >= 1), "None or an integer >= 1"),
-                "micro_batch_size": (lambda v: v is None or (_int(v) and v >= 1), "None or an integer >= 1"),
-                "ppo_epochs": (lambda v: v is None or (_int(v) and v >= 1), "None or an integer >= 1"),
+                "mini_batch_size": count_or_none,
+                "micro_batch_size": count_or_none,
+                "ppo_epochs": count_or_none,
                 "gamma": unit,
                 "lam": unit,
                 "advantage": (
