@@ -8,7 +8,7 @@ from peft import LoraConfig
 
 from llamagym import Agent, PPOConfig, ReplayConfig
 from llamagym.algos.modes import MODES
-from tests.envs import CountingEnv
+from tests.envs import CountingEnv, YesNoAgent
 
 
 class ScriptedAgent(Agent):
@@ -143,6 +143,24 @@ def test_demonstrations_from_jsonl_and_from_a_scripted_expert_fill_the_replay(mo
     assert len(agent.trainer.replay.demos) == 3
     stats = play(agent, CountingEnv(length=2), episodes=2)[-1]
     assert stats["sft/loss"] > 0
+
+
+def test_the_sft_warm_start_follows_updates_on_generated_replies_by_default_and_not_scored_ones(
+    model, tokenizer, lora_config
+):
+    generated = play(make_agent(model, tokenizer, lora_config), CountingEnv(length=2), episodes=2)[-1]
+    assert generated["sft/buffer_size"] >= 1  # free text: the warm-start teaches the reply format
+    scored = play(make_agent(model, tokenizer, lora_config, cls=YesNoAgent), CountingEnv(length=2), episodes=2)[-1]
+    assert "ppo/num_updates" in scored and not any(key.startswith("sft/") for key in scored)
+    always = make_agent(model, tokenizer, lora_config, cls=YesNoAgent, sft_warm_start=True)
+    assert "sft/buffer_size" in play(always, CountingEnv(length=2), episodes=2)[-1]
+    never = make_agent(model, tokenizer, lora_config, sft_warm_start=False)
+    assert never.trainer.replay is None and "sft/buffer_size" not in play(never, CountingEnv(length=2), episodes=2)[-1]
+    demonstrated = make_agent(model, tokenizer, lora_config, cls=YesNoAgent)  # demonstrations turn it on
+    assert demonstrated.seed_from_expert(CountingEnv(length=2), lambda observation: "yes", episodes=1) == 2.0
+    assert "sft/buffer_size" in play(demonstrated, CountingEnv(length=2), episodes=2)[-1]
+    with pytest.raises(ValueError, match="sft_warm_start"):
+        make_agent(model, tokenizer, lora_config, sft_warm_start="yes")
 
 
 @pytest.mark.parametrize(

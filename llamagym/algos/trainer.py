@@ -62,9 +62,18 @@ class PPOTrainer:
         config: PPO hyperparameters.
         pad_token_id: id used to right-pad the training batch (masked out everywhere).
         replay_config: enables the SFT warm-start replay buffer when given.
+        replay_modes: the action modes (`ActionMode.name`) whose updates are followed by the replay's supervised
+            steps; None = every mode.
     """
 
-    def __init__(self, policy: Policy, config: PPOConfig, pad_token_id: int, replay_config: ReplayConfig | None = None):
+    def __init__(
+        self,
+        policy: Policy,
+        config: PPOConfig,
+        pad_token_id: int,
+        replay_config: ReplayConfig | None = None,
+        replay_modes: tuple[str, ...] | None = None,
+    ):
         self.policy = policy
         self.config = config
         self.pad_token_id = pad_token_id
@@ -81,6 +90,7 @@ class PPOTrainer:
         else:
             self.kl_controller = ppo.FixedKLController(config.kl_coef)
         self.replay = SFTReplayBuffer(replay_config) if replay_config is not None else None
+        self.replay_modes = replay_modes
         self.estimator = estimators.get_estimator(config.advantage)  # `needs_value`: gae; whitened (see `step`)
         self._loss_options: dict = {}  # this update's options of `ppo.policy_loss` (see `_loss_options`)
         # natural-gradient steps (`NaturalGradient`): per-input gradients of the policy loss, solved for jointly,
@@ -224,7 +234,8 @@ class PPOTrainer:
 
         # 7. SFT warm-start: imitate the best episodes (and demonstrations); data-parallel, every rank adds every
         #    rank's episodes and takes the same steps
-        sft_stats = self._sft(episodes) if self.replay is not None else {}
+        replaying = self.replay is not None and (self.replay_modes is None or mode.name in self.replay_modes)
+        sft_stats = self._sft(episodes) if replaying else {}
 
         self.num_updates += 1
         if self.average is not None:
