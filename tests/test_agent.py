@@ -156,6 +156,8 @@ def test_the_sft_warm_start_follows_updates_on_generated_replies_by_default_and_
     assert "sft/buffer_size" in play(always, CountingEnv(length=2), episodes=2)[-1]
     never = make_agent(model, tokenizer, lora_config, sft_warm_start=False)
     assert never.trainer.replay is None and "sft/buffer_size" not in play(never, CountingEnv(length=2), episodes=2)[-1]
+    with pytest.raises(RuntimeError, match="without sft_warm_start=False"):
+        never.seed_from_expert(CountingEnv(length=2), lambda observation: "1", episodes=1)
     demonstrated = make_agent(model, tokenizer, lora_config, cls=YesNoAgent)  # demonstrations turn it on
     assert demonstrated.seed_from_expert(CountingEnv(length=2), lambda observation: "yes", episodes=1) == 2.0
     assert "sft/buffer_size" in play(demonstrated, CountingEnv(length=2), episodes=2)[-1]

@@ -115,7 +115,8 @@ class Agent(ABC):
             raise ValueError(f"`action_mode` should be one of {', '.join(['auto', *MODES])}. Received {action_mode!r}.")
         if sft_warm_start is not None and not isinstance(sft_warm_start, bool):
             raise ValueError(
-                f"`sft_warm_start` should be True, False or None (generate mode only). Received {sft_warm_start!r}."
+                f"`sft_warm_start` should be True, False or None (after updates on generated replies). "
+                f"Received {sft_warm_start!r}."
             )
         if fallback_action is None:
             raise ValueError("`fallback_action` should be a valid action of your env (it replaces unparsable replies).")
@@ -505,8 +506,7 @@ class Agent(ABC):
 
     def _replay(self):
         if self.trainer.replay is None:
-            raise RuntimeError("Demonstrations need the replay buffer: create the agent with sft_warm_start=True.")
-        self.trainer.replay_modes = None  # demonstrations are there to be imitated, whatever the action mode
+            raise RuntimeError("Demonstrations need the replay buffer: create the agent without sft_warm_start=False.")
         return self.trainer.replay
 
 

@@ -63,7 +63,7 @@ class PPOTrainer:
         pad_token_id: id used to right-pad the training batch (masked out everywhere).
         replay_config: enables the SFT warm-start replay buffer when given.
         replay_modes: the action modes (`ActionMode.name`) whose updates are followed by the replay's supervised
-            steps; None = every mode.
+            steps; None = every mode. Once the buffer holds demonstrations, every mode's updates are.
     """
 
     def __init__(
@@ -234,7 +234,9 @@ class PPOTrainer:
 
         # 7. SFT warm-start: imitate the best episodes (and demonstrations); data-parallel, every rank adds every
         #    rank's episodes and takes the same steps
-        replaying = self.replay is not None and (self.replay_modes is None or mode.name in self.replay_modes)
+        replaying = self.replay is not None and (
+            self.replay_modes is None or mode.name in self.replay_modes or bool(self.replay.demos)
+        )
         sft_stats = self._sft(episodes) if replaying else {}
 
         self.num_updates += 1
