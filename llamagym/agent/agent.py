@@ -65,7 +65,8 @@ class Agent(ABC):
         full_finetune: train every weight instead of a LoRA adapter (keeps a frozen reference copy).
         sft_warm_start: keep the best episodes and imitate them for a few supervised steps after each PPO update.
             None (the default) does so after updates on generated (free-text) replies, where it teaches the reply
-            format (tic-tac-toe, 20 minutes: invalid greedy replies 2.3% -> 0%, docs/learning-that-holds.md), and
+            format (tic-tac-toe, 20 minutes: 0.80 with 0% invalid replies, against 0.72 with 5.2% without it;
+            docs/learning-that-holds.md), and
             not after updates on scored candidates, which cannot be misformatted; True after every update; False
             never. Loading demonstrations (`load_demonstrations`, `seed_from_expert`) turns it on for every update.
         use_target_kl: overrides `ppo_config.use_target_kl` (early-stop updates past 1.5 x target_kl).
