@@ -66,9 +66,9 @@ class Agent(ABC):
         sft_warm_start: keep the best episodes and imitate them for a few supervised steps after each PPO update.
             None (the default) does so after updates on generated (free-text) replies, where it teaches the reply
             format (tic-tac-toe, 20 minutes: 0.80 with 0% invalid replies, against 0.72 with 5.2% without it;
-            docs/learning-that-holds.md), and
-            not after updates on scored candidates, which cannot be misformatted; True after every update; False
-            never. Loading demonstrations (`load_demonstrations`, `seed_from_expert`) turns it on for every update.
+            docs/learning-that-holds.md), and not after updates on scored candidates, which cannot be misformatted;
+            True after every update; False never. Loading demonstrations (`load_demonstrations`, `seed_from_expert`)
+            turns it on for every update.
         use_target_kl: overrides `ppo_config.use_target_kl` (early-stop updates past 1.5 x target_kl).
         max_prompt_tokens: token budget of one prompt; older exchanges are dropped to fit it. The system prompt
             alone must fit: it is checked here, so `get_system_prompt` must work once `__init__` is called.
