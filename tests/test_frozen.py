@@ -105,3 +105,32 @@ def test_float32_context_is_the_plain_fp32_forward_and_restores_precision_and_ca
     assert cached.precision == "bf16" and cached.frozen_cache is cache and cache.misses == 2  # the bf16 pass only
     torch.testing.assert_close(exact, expected, atol=0, rtol=0)  # the same computation, bit for bit
     assert not torch.equal(low, exact)  # bf16 rounding is what the context removes
+
+
+def test_a_state_no_forward_used_in_the_last_round_is_dropped_when_the_next_begins(tokenizer, lora_config):
+    cached, _ = twin_policies(tokenizer, lora_config)
+    cache = cached.frozen_cache
+    first, second = (collate([Turn(prompt, [60, 256])], pad_token_id=256) for prompt in PROMPTS[:2])
+    with torch.no_grad():
+        cached(*first)  # round 0: the first input
+        cache.next_round()
+        cached(*second)  # round 1: the second input only
+        cache.next_round()  # the first was not used in round 1: dropped; the second was: kept
+        assert len(cache.entries) == 1 and cache.size == next(iter(cache.entries.values())).numel() * 4
+        cached(*second)
+    assert cache.hits == 1 and cache.misses == 2
+    cache.next_round()
+    cache.next_round()
+    assert not cache.entries and not cache.used and cache.size == 0
+
+
+def test_each_update_starts_a_round_so_generated_inputs_do_not_pile_up(tokenizer, lora_config):
+    from tests.envs import CountingEnv
+    from tests.test_agent import make_agent, play
+
+    agent = make_agent(build_tiny_model(tokenizer, seed=0), tokenizer, lora_config, lora_layers=1)
+    cache = agent.policy.frozen_cache
+    for update in range(1, 5):
+        play(agent, CountingEnv(length=2), episodes=2)  # one update on freshly sampled replies
+        assert cache.round == update and min(cache.used.values()) >= update - 1  # this update's inputs, the last's
+    assert len(cache.entries) < cache.misses  # the earlier updates' inputs are gone

@@ -139,6 +139,22 @@ def test_adaptive_kl_coefficient_moves_after_an_update(model, lora_config, token
     assert stats["kl/ref"] > 0 and stats["kl/coef"] > start
 
 
+def test_freed_memory_goes_back_to_the_system_after_every_update_on_a_cpu(model, lora_config, tokenizer, monkeypatch):
+    from llamagym.algos import trainer as trainer_module
+    from llamagym.models import host_memory
+
+    calls = []
+    monkeypatch.setattr(trainer_module, "release_freed_memory", lambda: calls.append(1))
+    trainer = make_trainer(model, lora_config, tokenizer)
+    for update in (1, 2):
+        trainer.step(make_episodes())
+        assert len(calls) == update
+    trim = host_memory._malloc_trim()
+    assert host_memory.release_freed_memory() is (trim is not None)  # glibc (Linux) has it; elsewhere a no-op
+    monkeypatch.setattr(host_memory, "_malloc_trim", lambda: None)
+    assert host_memory.release_freed_memory() is False
+
+
 def test_sft_replay_runs_after_the_update_and_reports_its_loss(model, lora_config, tokenizer):
     trainer = PPOTrainer(
         Policy(model, lora_config),

@@ -61,7 +61,8 @@ class Agent(ABC):
             faster on a CPU). None adapts every layer; "auto" takes the registry's default for this model (the
             embedded SmolLM2-135M: the top 8 of 30), else every layer.
         frozen_cache_mb: with `lora_layers`, memory for the hidden states leaving the frozen layers, kept per
-            distinct prompt so repeated ones run the adapted layers only (exact); 0 turns it off.
+            distinct prompt so repeated ones run the adapted layers only (exact); a state no forward used since
+            the previous update is dropped at the next. 0 turns it off.
         full_finetune: train every weight instead of a LoRA adapter (keeps a frozen reference copy).
         sft_warm_start: keep the best episodes and imitate them for a few supervised steps after each PPO update.
             None (the default) does so after updates on generated (free-text) replies, where it teaches the reply

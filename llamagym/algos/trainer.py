@@ -40,6 +40,7 @@ import torch
 
 from .. import distributed
 from ..config import PPOConfig, ReplayConfig
+from ..models.host_memory import release_freed_memory
 from ..models.policy import Policy
 from . import estimators, ppo
 from .averaging import WeightAverage
@@ -125,6 +126,8 @@ class PPOTrainer:
         if not episodes:
             raise ValueError("PPOTrainer.step() needs at least one episode with a turn.")
         self._anneal()
+        if self.policy.frozen_cache is not None:  # frozen-layer states no forward used since the last update go
+            self.policy.frozen_cache.next_round()
         turns = [turn for episode in episodes for turn in episode.turns]
         mode = mode_of(turns)  # the action mode collates and evaluates the turns (`algos/modes/`)
         batch = mode.collate(turns, self.pad_token_id, self.policy.device)
@@ -240,6 +243,8 @@ class PPOTrainer:
         sft_stats = self._sft(episodes) if replaying else {}
 
         self.num_updates += 1
+        if self.policy.device.type == "cpu":  # the update's activations are freed: give their pages back
+            release_freed_memory()
         if self.average is not None:
             self.average.update()
         result = {key: sum(values) / len(values) for key, values in stats.items() if values}

@@ -22,6 +22,11 @@ from torch import nn
 class FrozenLayerCache:
     """Hidden states entering decoder layer `start`, per distinct input row, bounded by `max_bytes` (LRU).
 
+    The trainer starts a new round with every update (`next_round`), and a state that no forward used in the round
+    before is dropped then: generate mode's inputs (a prompt and a sampled reply) rarely come back in a later
+    update, and without it the cache filled its whole budget with them in a long run. A game whose states recur
+    (Blackjack's 280) keeps them, since acting uses them in every round.
+
     Args:
         decoder: the transformers decoder (`.layers`, `.norm`), e.g. `LlamaModel`.
         start: index of the lowest layer with trainable weights; layers below it must be frozen.
@@ -30,7 +35,9 @@ class FrozenLayerCache:
 
     def __init__(self, decoder: nn.Module, start: int, max_bytes: int):
         self.decoder, self.start, self.max_bytes = decoder, start, max_bytes
-        self.entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # least recently used first
+        self.used: dict[bytes, int] = {}  # the round each state was last used in
+        self.round = 0
         self.size = 0  # bytes held
         self.hits = self.misses = 0
 
@@ -48,6 +55,7 @@ class FrozenLayerCache:
         self.misses += len(missing)
         for key in states:
             self.entries.move_to_end(key)
+            self.used[key] = self.round
         if missing:
             rows = torch.tensor(missing, device=input_ids.device)
             bottom = self._run(
@@ -81,14 +89,25 @@ class FrozenLayerCache:
         return captured["h"] if hook is not None else out.last_hidden_state
 
     def _put(self, key: bytes, state: torch.Tensor) -> None:
-        self.entries[key] = state
+        self.entries[key], self.used[key] = state, self.round
         self.size += state.numel() * state.element_size()
         while self.size > self.max_bytes and len(self.entries) > 1:
-            _, dropped = self.entries.popitem(last=False)
-            self.size -= dropped.numel() * dropped.element_size()
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        key, dropped = self.entries.popitem(last=False)
+        del self.used[key]
+        self.size -= dropped.numel() * dropped.element_size()
+
+    def next_round(self) -> None:
+        """Start a new round (the trainer does, with each update): the states not used in the last one are dropped."""
+        while self.entries and self.used[next(iter(self.entries))] < self.round:
+            self._drop_oldest()
+        self.round += 1
 
     def clear(self) -> None:
         self.entries.clear()
+        self.used.clear()
         self.size = 0
 
 
