@@ -60,6 +60,36 @@ def test_logprobs_are_zero_outside_the_response(model, lora_config, batch):
     assert torch.all(out.logprobs[~outside] < 0)
 
 
+@pytest.mark.parametrize("full_finetune", [False, True])
+def test_logits_in_chunks_give_the_same_log_probs_entropy_scores_and_gradients(
+    tokenizer, lora_config, batch, monkeypatch, full_finetune
+):
+    from llamagym.algos.rollout import collate_scored
+    from llamagym.models import policy as policy_module
+    from llamagym.models.tiny_random import build_tiny_model
+
+    policy = Policy(build_tiny_model(tokenizer, seed=0), None if full_finetune else lora_config, full_finetune)
+    policy.temperature = 0.7
+    scored = collate_scored([[257, 50, 51, 259], [257, 52, 259]], [[[60, 61, 256], [70, 256]], [[80, 256]]], 256)
+    runs = []
+    for rows in (policy_module.LOGIT_ROWS, 2):  # 5 response positions and 7 candidate tokens: several chunks of 2
+        monkeypatch.setattr(policy_module, "LOGIT_ROWS", rows)
+        policy.zero_grad(set_to_none=True)
+        out, score = policy(*batch, with_entropy=True), policy.score(scored)
+        finite = score.logprobs.isfinite()
+        (out.logprobs.sum() + out.entropy.sum() + score.logprobs[finite].sum()).backward()
+        grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+        runs.append((out.logprobs.detach(), out.entropy.detach(), score.logprobs.detach(), grads))
+    (*whole, whole_grads), (*chunked, chunked_grads) = runs
+    for a, b in zip(whole, chunked, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    assert whole_grads.keys() == chunked_grads.keys() and any("lora_" in n or "embed" in n for n in whole_grads)
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(
+            grad, chunked_grads[name], atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
 def test_bf16_autocast_keeps_weights_fp32_and_log_probs_close_to_fp32(model, lora_config, batch):
     policy = Policy(model, lora_config, precision="bf16")
     low = policy(*batch).logprobs

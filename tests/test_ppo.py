@@ -25,6 +25,7 @@ from llamagym.algos.ppo import (
     masked_whiten,
     policy_loss,
     ridge_refit,
+    token_logprobs,
     value_loss,
 )
 
@@ -154,6 +155,48 @@ def test_logprobs_from_logits_equals_float32_log_softmax_gather(shape, dtype):
     out = logprobs_from_logits(logits, tokens)
     assert out.dtype == torch.float32 and out.shape == tokens.shape
     assert_close(out, ref)
+
+
+def test_token_logprobs_golden_values_at_a_temperature():
+    logits = torch.tensor([[0.0, math.log(3.0)], [1.0, 1.0]])  # at T = 0.5: probabilities (0.1, 0.9) and (0.5, 0.5)
+    logprobs, entropy = token_logprobs(logits, torch.tensor([1, 0]), temperature=0.5, with_entropy=True)
+    assert_close(logprobs, torch.tensor([math.log(0.9), math.log(0.5)]))
+    assert_close(entropy, torch.tensor([-(0.1 * math.log(0.1) + 0.9 * math.log(0.9)), math.log(2.0)]))
+    assert token_logprobs(logits, torch.tensor([1, 0]))[1] is None
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_token_logprobs_gradients_in_chunks_are_exact(with_entropy):
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(5, 7, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    tokens = torch.randint(0, 7, (5,), generator=g)
+
+    def outputs(x):
+        logprobs, entropy = token_logprobs(x, tokens, temperature=0.7, with_entropy=with_entropy, chunk=2)
+        return (logprobs, entropy) if with_entropy else logprobs
+
+    assert torch.autograd.gradcheck(outputs, (logits,))
+    plain = logits.detach().float().requires_grad_()
+    mine = logits.detach().float().requires_grad_()
+    weights = torch.randn(2, 5, generator=g)
+    ref = (logprobs_from_logits(plain / 0.7, tokens), entropy_from_logits(plain / 0.7))
+    out = token_logprobs(mine, tokens, 0.7, True, chunk=2)
+    (weights[0] @ ref[0] + weights[1] @ ref[1]).backward()
+    (weights[0] @ out[0] + weights[1] @ out[1]).backward()
+    assert_close(out[0], ref[0])
+    assert_close(out[1], ref[1])
+    assert_close(mine.grad, plain.grad)
+
+
+def test_token_logprobs_keeps_only_the_logits_given_for_the_backward_pass():
+    logits = torch.randn(6, 50, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        logprobs, entropy = token_logprobs(logits, torch.zeros(6, dtype=torch.long), with_entropy=True, chunk=4)
+    wide = [t for t in saved if t.dim() == 2]
+    assert len(wide) == 1 and wide[0].dtype == torch.bfloat16  # the logits themselves: no float32 copy is kept
+    (logprobs.sum() + entropy.sum()).backward()
+    assert logits.grad.dtype == torch.bfloat16 and logits.grad.isfinite().all()
 
 
 def test_entropy_from_logits_is_log_vocab_for_uniform_and_zero_for_one_hot():

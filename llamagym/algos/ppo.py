@@ -30,6 +30,67 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
+def token_logprobs(
+    logits: Tensor, tokens: Tensor, temperature: float = 1.0, with_entropy: bool = False, chunk: int = 64
+) -> tuple[Tensor, Tensor | None]:
+    """`logprobs_from_logits` and `entropy_from_logits` of softmax(logits / temperature), for a backward pass that
+    keeps only the logits as given (bf16 under autocast) instead of several float32 copies of them.
+
+    Vocabulary-wide rows are the largest tensors of an update (190 KiB each in float32 for a 49k vocabulary). Here
+    the float32 work runs `chunk` rows at a time, forward and backward, in blocks of one size (which the C allocator
+    reuses instead of fragmenting its heap), and the backward pass recomputes the softmax from the kept logits and
+    log-sum-exp: d log π(t)/dz = onehot(t) - p, dH/dz = -p (log p + H), each divided by the temperature.
+
+    Args:
+        logits: (N, V), any float dtype. tokens: (N,) integer ids.
+    Returns:
+        (N,) float32 log-probabilities, and (N,) float32 entropies or None (float64 for float64 logits).
+    """
+    logprobs, entropy = _TokenLogprobs.apply(logits, tokens, float(temperature), bool(with_entropy), int(chunk))
+    return logprobs, entropy if with_entropy else None
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature, with_entropy, chunk):
+        n, work = logits.shape[0], torch.promote_types(logits.dtype, torch.float32)  # float64 stays float64
+        logprobs, lse = logits.new_empty(n, dtype=work), logits.new_empty(n, dtype=work)
+        entropy = logits.new_empty(n if with_entropy else 0, dtype=work)
+        for rows in _chunks(n, chunk):
+            z = logits[rows].to(work) / temperature
+            lse[rows] = torch.logsumexp(z, dim=-1)
+            logprobs[rows] = z.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1) - lse[rows]
+            if with_entropy:
+                logp = z - lse[rows].unsqueeze(-1)
+                entropy[rows] = -(logp.exp() * logp).sum(-1)
+        ctx.save_for_backward(logits, tokens, lse, entropy)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, tokens, lse, entropy = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        entropy_grad = grad_entropy is not None and entropy.numel() > 0
+        for rows in _chunks(logits.shape[0], ctx.chunk):
+            logp = logits[rows].to(lse.dtype) / ctx.temperature - lse[rows].unsqueeze(-1)
+            p = logp.exp()
+            g = torch.zeros_like(p)
+            if grad_logprobs is not None:
+                g = -p * grad_logprobs[rows].unsqueeze(-1)
+                g.scatter_add_(-1, tokens[rows].unsqueeze(-1), grad_logprobs[rows].unsqueeze(-1))
+            if entropy_grad:
+                g -= grad_entropy[rows].unsqueeze(-1) * p * (logp + entropy[rows].unsqueeze(-1))
+            grad[rows] = (g / ctx.temperature).to(grad.dtype)
+        return grad, None, None, None, None
+
+
+def _chunks(n: int, size: int) -> list[slice]:
+    return [slice(start, start + size) for start in range(0, n, size)]
+
+
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Σ mask·x / Σ mask over `dim` (all dims if None); 0, not NaN, where the mask is all zero.
 

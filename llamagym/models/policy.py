@@ -2,7 +2,8 @@
 
 `reference()` is the same weights with the adapter disabled (LoRA `bias="none"`), so no second copy of the
 model is held. Only full fine-tuning (no LoRA) keeps a frozen reference copy. Log-probs are computed by running
-the LM head on response positions only: full-vocabulary logits for every prompt token are most of the memory.
+the LM head on response positions only: full-vocabulary logits for every prompt token are most of the memory. A
+backward pass keeps those logits alone, not float32 copies of them (`ppo.token_logprobs`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from peft import (
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..algos.ppo import entropy_from_logits, logprobs_from_logits
+from ..algos import ppo
 from ..algos.rollout import ScoreBatch
 from . import checkpointing
 from .devices import resolve_precision
@@ -37,6 +38,7 @@ from .frozen_cache import FrozenLayerCache, frozen_prefix_layers, probe
 from .registry import GENERIC_SPEC, ModelSpec
 
 VALUE_HEAD_FILE = "value_head.safetensors"
+LOGIT_ROWS = 64  # positions whose float32 vocabulary-wide rows exist at once (`ppo.token_logprobs`)
 POLICY_META_FILE = "policy.json"
 
 
@@ -260,12 +262,17 @@ class Policy(nn.Module):
         ).last_hidden_state
         return torch.cat([shared.last_hidden_state.expand(rows, -1, -1), rest], dim=1)
 
-    def _token_logits(self, hidden, full_logits, rows, positions, reference: bool) -> torch.Tensor:
-        """Logits predicted at (rows, positions), running the LM head on those positions only."""
+    def _token_logprobs(
+        self, hidden, full_logits, rows, positions, targets, reference: bool, temperature=1.0, with_entropy=False
+    ):
+        """Log-probs of `targets` predicted at (rows, positions) at `temperature` (and the entropy there, or None),
+        running the LM head on those positions only; a backward pass keeps only their logits (`ppo.token_logprobs`)."""
         if full_logits is not None:
-            return full_logits[rows, positions]
-        with self.autocast():
-            return self.causal_lm(reference).get_output_embeddings()(hidden[rows, positions])
+            logits = full_logits[rows, positions]
+        else:
+            with self.autocast():
+                logits = self.causal_lm(reference).get_output_embeddings()(hidden[rows, positions])
+        return ppo.token_logprobs(logits, targets, temperature, with_entropy, LOGIT_ROWS)
 
     def forward(
         self,
@@ -288,18 +295,16 @@ class Policy(nn.Module):
         hidden, full_logits = self._hidden(input_ids, attention_mask, reference)
         select = response_mask[:, 1:].bool()  # the token at p is predicted by the hidden state at p - 1
         rows, positions = select.nonzero(as_tuple=True)
-        logits = self._token_logits(hidden, full_logits, rows, positions, reference)
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        targets = input_ids[:, 1:][select]
-        token_logprobs = logprobs_from_logits(logits, targets)
+        token_logprobs, token_entropy = self._token_logprobs(
+            hidden, full_logits, rows, positions, input_ids[:, 1:][select], reference, self.temperature, with_entropy
+        )
         logprobs = token_logprobs.new_zeros(select.shape)
         logprobs[select] = token_logprobs
         logprobs = F.pad(logprobs, (1, 0))
         entropy = None
         if with_entropy:
             entropy = token_logprobs.new_zeros(select.shape)
-            entropy[select] = entropy_from_logits(logits)
+            entropy[select] = token_entropy
             entropy = F.pad(entropy, (1, 0))
         values = None
         if value_index is not None:
@@ -325,8 +330,9 @@ class Policy(nn.Module):
         hidden, full_logits = self._hidden(batch.input_ids, batch.attention_mask, reference, batch.position_ids, prefix)
         valid = batch.owner >= 0
         rows = torch.arange(batch.input_ids.shape[0], device=hidden.device)[:, None].expand_as(batch.owner)[valid]
-        logits = self._token_logits(hidden, full_logits, rows, batch.source[valid], reference)
-        token_logprobs = logprobs_from_logits(logits, batch.target[valid])
+        token_logprobs = self._token_logprobs(
+            hidden, full_logits, rows, batch.source[valid], batch.target[valid], reference
+        )[0]
         n, width = batch.input_ids.shape[0], int(batch.num_candidates.max())
         slot = rows * width + batch.owner[valid]
         totals = token_logprobs.new_zeros(n * width).index_add(0, slot, token_logprobs)
