@@ -57,7 +57,8 @@ class _TokenLogprobs(torch.autograd.Function):
         logprobs, lse = logits.new_empty(n, dtype=work), logits.new_empty(n, dtype=work)
         entropy = logits.new_empty(n if with_entropy else 0, dtype=work)
         for rows in _chunks(n, chunk):
-            z = logits[rows].to(work) / temperature
+            z = logits[rows].to(work)
+            z = z / temperature if temperature != 1.0 else z
             lse[rows] = torch.logsumexp(z, dim=-1)
             logprobs[rows] = z.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1) - lse[rows]
             if with_entropy:
@@ -75,15 +76,17 @@ class _TokenLogprobs(torch.autograd.Function):
         grad = torch.empty_like(logits)
         entropy_grad = grad_entropy is not None and entropy.numel() > 0
         for rows in _chunks(logits.shape[0], ctx.chunk):
-            logp = logits[rows].to(lse.dtype) / ctx.temperature - lse[rows].unsqueeze(-1)
+            z = logits[rows].to(lse.dtype)
+            logp = (z / ctx.temperature if ctx.temperature != 1.0 else z) - lse[rows].unsqueeze(-1)
             p = logp.exp()
-            g = torch.zeros_like(p)
             if grad_logprobs is not None:
                 g = -p * grad_logprobs[rows].unsqueeze(-1)
                 g.scatter_add_(-1, tokens[rows].unsqueeze(-1), grad_logprobs[rows].unsqueeze(-1))
+            else:
+                g = torch.zeros_like(p)
             if entropy_grad:
                 g -= grad_entropy[rows].unsqueeze(-1) * p * (logp + entropy[rows].unsqueeze(-1))
-            grad[rows] = (g / ctx.temperature).to(grad.dtype)
+            grad[rows] = (g / ctx.temperature if ctx.temperature != 1.0 else g).to(grad.dtype)
         return grad, None, None, None, None
 
 
