@@ -73,18 +73,14 @@ class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         logits, tokens, lse, entropy = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        entropy_grad = grad_entropy is not None and entropy.numel() > 0
+        grad = torch.empty_like(logits)  # autograd passes zeros, not None, for an output that was not used
         for rows in _chunks(logits.shape[0], ctx.chunk):
             z = logits[rows].to(lse.dtype)
             logp = (z / ctx.temperature if ctx.temperature != 1.0 else z) - lse[rows].unsqueeze(-1)
             p = logp.exp()
-            if grad_logprobs is not None:
-                g = -p * grad_logprobs[rows].unsqueeze(-1)
-                g.scatter_add_(-1, tokens[rows].unsqueeze(-1), grad_logprobs[rows].unsqueeze(-1))
-            else:
-                g = torch.zeros_like(p)
-            if entropy_grad:
+            g = -p * grad_logprobs[rows].unsqueeze(-1)
+            g.scatter_add_(-1, tokens[rows].unsqueeze(-1), grad_logprobs[rows].unsqueeze(-1))
+            if entropy.numel():
                 g -= grad_entropy[rows].unsqueeze(-1) * p * (logp + entropy[rows].unsqueeze(-1))
             grad[rows] = (g / ctx.temperature if ctx.temperature != 1.0 else g).to(grad.dtype)
         return grad, None, None, None, None
