@@ -45,6 +45,7 @@ class PPOConfig:
     learning_rate: float = 2e-4  # AdamW step size for the LoRA adapter (and the value head, unless set below)
     value_learning_rate: float | None = None  # AdamW step size for the value head; None = learning_rate
     batch_size: int = 32  # episodes collected before each PPO update
+    min_batch_turns: int = 128  # and at least this many turns (replies): short episodes fill larger batches; 0 = off
     mini_batch_size: int | None = None  # turns per optimizer step; None = whole batch for natural steps, 8 for AdamW
     micro_batch_size: int | None = 8  # distinct inputs per forward/backward within a step (bounds memory); None = all
     ppo_epochs: int | None = None  # passes over the batch per update; None = 1 for whole-batch natural steps
@@ -104,6 +105,7 @@ class PPOConfig:
                 "learning_rate": positive,
                 "value_learning_rate": (lambda v: v is None or (_num(v) and v > 0), "None or a number > 0"),
                 "batch_size": count,
+                "min_batch_turns": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0 = count episodes only)"),
                 "mini_batch_size": count_or_none,
                 "micro_batch_size": count_or_none,
                 "ppo_epochs": count_or_none,

@@ -79,7 +79,7 @@ def play(case: str, tokenizer, lora_config) -> dict:
     agent = cls(
         build_tiny_model(tokenizer, seed=0),
         tokenizer,
-        ppo_config=PPOConfig(batch_size=100),
+        ppo_config=PPOConfig(batch_size=100, min_batch_turns=0),
         lora_config=lora_config,
         action_space=gym.spaces.Discrete(3),
         precision="fp32",

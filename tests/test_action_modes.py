@@ -56,7 +56,7 @@ def loglikelihoods(policy, prompt, candidates):
 
 def test_a_mode_defined_in_a_test_file_acts_and_trains_through_the_public_seam(sum_mode, model, tokenizer, lora_config):
     torch.manual_seed(0)
-    config = PPOConfig(batch_size=2, seed=0)
+    config = PPOConfig(batch_size=2, min_batch_turns=0, seed=0)
     agent = ReplyAgent(
         model,
         tokenizer,

@@ -23,7 +23,7 @@ class ScriptedAgent(Agent):
 
 
 def make_agent(model, tokenizer, lora_config, cls=ScriptedAgent, batch_size=2, **kwargs):
-    config = PPOConfig(batch_size=batch_size, mini_batch_size=4, ppo_epochs=1)
+    config = PPOConfig(batch_size=batch_size, min_batch_turns=0, mini_batch_size=4, ppo_epochs=1)
     kwargs = {"generation_config": {"max_new_tokens": 3}, **kwargs}
     return cls(model, tokenizer, "cpu", ppo_config=config, lora_config=lora_config, **kwargs)
 
@@ -48,6 +48,14 @@ def test_turns_and_rewards_align_and_training_waits_for_a_full_batch(model, toke
     assert "ppo/policy_loss" not in first and first["env/length"] == 3.0
     assert "ppo/policy_loss" in second and second["ppo/num_turns"] == 6.0
     assert agent.batch == []
+
+
+def test_training_also_waits_for_min_batch_turns(model, tokenizer, lora_config):
+    agent = make_agent(model, tokenizer, lora_config)
+    agent.ppo_config.min_batch_turns = 7  # two 3-turn episodes fill batch_size=2 but not 7 turns
+    stats = play(agent, CountingEnv(length=3), episodes=3)
+    assert ["ppo/policy_loss" in s for s in stats] == [False, False, True]
+    assert stats[-1]["ppo/num_turns"] == 9.0
 
 
 def test_recorded_turns_hold_the_prompt_the_model_saw_and_its_reply(model, tokenizer, lora_config):

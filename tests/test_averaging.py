@@ -46,7 +46,9 @@ def test_the_average_is_the_mean_then_exponential_and_lent_only_inside_swapped()
 
 def trained(model, tokenizer, lora_config) -> YesNoAgent:
     """An agent after two updates, averaging over 3."""
-    config = PPOConfig(batch_size=2, average_updates=3, natural_gradient=False, max_kl=None, learning_rate=0.05)
+    config = PPOConfig(
+        batch_size=2, min_batch_turns=0, average_updates=3, natural_gradient=False, max_kl=None, learning_rate=0.05
+    )
     agent = YesNoAgent(model, tokenizer, "cpu", ppo_config=config, lora_config=lora_config, precision="fp32")
     env = CountingEnv(length=2)
     for _ in range(4):  # two updates

@@ -65,7 +65,7 @@ class Context:
 
     def agent(self, cls=TableAgent, ppo_config=None, **kwargs):
         kwargs = {"generation_config": {"max_new_tokens": 2}, "action_space": gym.spaces.Discrete(2), **kwargs}
-        ppo_config = ppo_config or PPOConfig(batch_size=1, ppo_epochs=1)
+        ppo_config = ppo_config or PPOConfig(batch_size=1, min_batch_turns=0, ppo_epochs=1)
         return cls(self.model, self.tokenizer, ppo_config=ppo_config, lora_config=self.lora_config, **kwargs)
 
     def checkpoint(self, damage=None):
@@ -85,7 +85,7 @@ def ctx(tokenizer, model, lora_config, tmp_path):
 # ---- recoveries (each returns the text its row checks) --------------------------------------------------------------
 def mini_batch_larger_than_batch(ctx):
     """Not an error: batch_size counts episodes, mini_batch_size turns. A larger mini-batch is one full-batch step."""
-    agent = ctx.agent(ppo_config=PPOConfig(batch_size=1, mini_batch_size=64, ppo_epochs=2))
+    agent = ctx.agent(ppo_config=PPOConfig(batch_size=1, min_batch_turns=0, mini_batch_size=64, ppo_epochs=2))
     agent.act(0)
     agent.assign_reward(1.0)
     stats = agent.terminate_episode()
@@ -180,7 +180,7 @@ def failing_hook(ctx):
 
 def diverged_updates(ctx):
     """A reward that went non-finite behind assign_reward's back (as diverged values do) stops the run."""
-    agent = ctx.agent(ppo_config=PPOConfig(batch_size=1, mini_batch_size=1, max_skipped_steps=2))
+    agent = ctx.agent(ppo_config=PPOConfig(batch_size=1, min_batch_turns=0, mini_batch_size=1, max_skipped_steps=2))
     agent.act(0)
     agent.act(1)
     agent.episode.turns[0].reward = float("inf")
@@ -219,6 +219,8 @@ CASES = [
         ValueError, "`gamma` should be in the interval [0, 1]. Received 1.5."),
     row("config-batch-size-float", lambda c: PPOConfig(batch_size=2.5),
         ValueError, "`batch_size` should be an integer >= 1. Received 2.5."),
+    row("config-min-batch-turns-negative", lambda c: PPOConfig(min_batch_turns=-1),
+        ValueError, "`min_batch_turns` should be an integer >= 0 (0 = count episodes only). Received -1."),
     row("config-mini-batch-size-string", lambda c: PPOConfig(mini_batch_size="8"),
         ValueError, "`mini_batch_size` should be None or an integer >= 1. Received '8'."),
     row("config-clip-coef-nan", lambda c: PPOConfig(clip_coef=float("nan")),

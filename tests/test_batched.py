@@ -31,7 +31,7 @@ def make_agent(tokenizer, lora_config, batch_size=100, **kwargs):
     return EchoAgent(
         build_tiny_model(tokenizer, seed=0),
         tokenizer,
-        ppo_config=PPOConfig(batch_size=batch_size),
+        ppo_config=PPOConfig(batch_size=batch_size, min_batch_turns=0),
         lora_config=lora_config,
         generation_config={"max_new_tokens": 4},
         **kwargs,

@@ -29,7 +29,7 @@ def agent(tokenizer, lora_config):
     agent = OneStepAgent(
         build_tiny_model(tokenizer),
         tokenizer,
-        ppo_config=PPOConfig(batch_size=2),
+        ppo_config=PPOConfig(batch_size=2, min_batch_turns=0),
         lora_config=lora_config,
         generation_config={"max_new_tokens": 2},
         sft_warm_start=True,
@@ -135,7 +135,7 @@ def two_env_agent(tokenizer, lora_config, seed):
     return OneStepAgent(
         build_tiny_model(tokenizer),
         tokenizer,
-        ppo_config=PPOConfig(batch_size=3, mini_batch_size=4),
+        ppo_config=PPOConfig(batch_size=3, min_batch_turns=0, mini_batch_size=4),
         lora_config=lora_config,
         generation_config={"max_new_tokens": 2},
     )

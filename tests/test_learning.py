@@ -35,6 +35,7 @@ def make_agent(max_new_tokens=1, advantage="gae"):
     model, tokenizer = build_tiny(seed=0)
     config = PPOConfig(
         batch_size=BATCH,
+        min_batch_turns=0,
         mini_batch_size=BATCH,
         ppo_epochs=4,
         learning_rate=1e-2,
@@ -98,7 +99,13 @@ def test_scoring_mode_learns_the_rewarded_named_action():
     torch.manual_seed(0)
     model, tokenizer = build_tiny(seed=0)
     config = PPOConfig(
-        batch_size=BATCH, mini_batch_size=BATCH, ppo_epochs=4, learning_rate=1e-2, kl_coef=0.0, adaptive_kl=False
+        batch_size=BATCH,
+        min_batch_turns=0,
+        mini_batch_size=BATCH,
+        ppo_epochs=4,
+        learning_rate=1e-2,
+        kl_coef=0.0,
+        adaptive_kl=False,
     )
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], bias="none", lora_dropout=0.0)
     agent = NamedAgent(model, tokenizer, ppo_config=config, lora_config=lora, action_mode="score")

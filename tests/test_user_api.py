@@ -41,7 +41,7 @@ def test_public_api_runs_a_custom_env_for_a_few_batches():
         model,
         tokenizer,
         "cpu",
-        ppo_config=PPOConfig(batch_size=4, mini_batch_size=4),
+        ppo_config=PPOConfig(batch_size=4, min_batch_turns=0, mini_batch_size=4),
         generation_config={"max_new_tokens": 4},
         sft_warm_start=True,
         use_target_kl=True,

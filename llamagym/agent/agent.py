@@ -328,7 +328,8 @@ class Agent(ABC):
             slot.episode.turns[-1].reward += value
 
     def end_episodes(self, dones, truncated=None, final_observations=None) -> dict[str, float]:
-        """End the episodes of the slots where `dones` is true; train when the batch is full.
+        """End the episodes of the slots where `dones` is true; train when the batch is full (`PPOConfig.batch_size`
+        episodes, holding at least `min_batch_turns` turns between them).
 
         Returns the mean `env/return`, `env/length` and `agent/invalid_action_rate` of the episodes that ended
         (with `env/episodes` their count), plus the training stats when an update ran. Each ended episode's own
@@ -362,7 +363,8 @@ class Agent(ABC):
             "agent/invalid_action_rate": _mean(s.invalid_rate for s in summaries),
             "env/episodes": float(len(summaries)),
         }
-        full = len(self.batch) >= self.ppo_config.batch_size
+        config, turns = self.ppo_config, sum(len(episode.turns) for episode in self.batch)
+        full = len(self.batch) >= config.batch_size and turns >= config.min_batch_turns
         if self.policy.sharded:  # every forward is a collective: the ranks train together, once every batch is full
             full = distributed.all_true(full)
         if full:
