@@ -132,6 +132,7 @@ def make_agent(args) -> BlackjackAgent:
         tokenizer,
         ppo_config=PPOConfig(
             batch_size=args.batch_size,
+            min_batch_turns=0,  # a batch is --batch-size hands (512 hands are about 700 turns, past the default 128)
             mini_batch_size=args.mini_batch_size,
             ppo_epochs=args.ppo_epochs,
             learning_rate=args.lr,

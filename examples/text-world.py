@@ -184,6 +184,7 @@ def make_agent(args) -> TextWorldAgent:
         tokenizer,
         ppo_config=PPOConfig(
             batch_size=args.batch_size,
+            min_batch_turns=0,  # a batch is --batch-size games, as in the measured run
             mini_batch_size=args.mini_batch_size,
             ppo_epochs=args.ppo_epochs,
             learning_rate=args.lr,
