@@ -30,10 +30,9 @@ class LetterAgent(Agent):
         return 1 if response[:1].isascii() and response[:1].isalpha() else 0
 
 
-def make_agent(max_new_tokens=1, advantage="gae"):
-    torch.manual_seed(0)
-    model, tokenizer = build_tiny(seed=0)
-    config = PPOConfig(
+def bandit_config(advantage="gae") -> PPOConfig:
+    """One whole-batch minibatch of BATCH episodes (however short), 4 epochs, no KL penalty."""
+    return PPOConfig(
         batch_size=BATCH,
         min_batch_turns=0,
         mini_batch_size=BATCH,
@@ -45,6 +44,12 @@ def make_agent(max_new_tokens=1, advantage="gae"):
         lam=0.95,
         advantage=advantage,
     )
+
+
+def make_agent(max_new_tokens=1, advantage="gae"):
+    torch.manual_seed(0)
+    model, tokenizer = build_tiny(seed=0)
+    config = bandit_config(advantage)
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], bias="none", lora_dropout=0.0)
     return LetterAgent(
         model, tokenizer, ppo_config=config, lora_config=lora, generation_config={"max_new_tokens": max_new_tokens}
@@ -98,15 +103,7 @@ class NamedAgent(LetterAgent):
 def test_scoring_mode_learns_the_rewarded_named_action():
     torch.manual_seed(0)
     model, tokenizer = build_tiny(seed=0)
-    config = PPOConfig(
-        batch_size=BATCH,
-        min_batch_turns=0,
-        mini_batch_size=BATCH,
-        ppo_epochs=4,
-        learning_rate=1e-2,
-        kl_coef=0.0,
-        adaptive_kl=False,
-    )
+    config = bandit_config()  # gamma, lam and the estimator as PPOConfig's defaults
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], bias="none", lora_dropout=0.0)
     agent = NamedAgent(model, tokenizer, ppo_config=config, lora_config=lora, action_mode="score")
 
