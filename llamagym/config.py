@@ -64,6 +64,9 @@ class PPOConfig:
     value_refit: float | None = 1.0  # after each update refit the value head by ridge regression on the batch's
     # returns, with this relative damping (ppo.ridge_refit); None = value-loss steps only
     ent_coef: float = 0.0  # weight of the entropy bonus on response tokens
+    entropy_floor: float | None = 0.3  # scoring mode: while the sampled choices' mean entropy (as a fraction of the
+    # most: entropy / ln(candidates)) is below this, an entropy bonus grows (ppo.EntropyFloor); None = off
+    entropy_floor_step: float = 0.002  # how much that bonus's weight rises (or falls, above the floor) per update
     max_grad_norm: float = 1.0  # global gradient-norm clip (with natural_gradient: of the adapter step itself)
     whiten_advantages: bool = True  # center advantages on the batch's mean and divide them by `advantage_scale`
     advantage_scale: str = (
@@ -123,6 +126,8 @@ class PPOConfig:
                 "vf_coef": non_negative,
                 "value_refit": (lambda v: v is None or (_num(v) and v > 0), "None or a number > 0"),
                 "ent_coef": non_negative,
+                "entropy_floor": (lambda v: v is None or (_num(v) and 0 < v < 1), "None (off) or a number in (0, 1)"),
+                "entropy_floor_step": positive,
                 "max_grad_norm": positive,
                 "whiten_advantages": (lambda v: isinstance(v, bool), "True or False"),
                 "advantage_scale": (lambda v: v in ADVANTAGE_SCALES, f"one of {', '.join(ADVANTAGE_SCALES)}"),

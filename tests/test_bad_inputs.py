@@ -221,6 +221,8 @@ CASES = [
         ValueError, "`batch_size` should be an integer >= 1. Received 2.5."),
     row("config-min-batch-turns-negative", lambda c: PPOConfig(min_batch_turns=-1),
         ValueError, "`min_batch_turns` should be an integer >= 0 (0 = count episodes only). Received -1."),
+    row("config-entropy-floor-one", lambda c: PPOConfig(entropy_floor=1.0),
+        ValueError, "`entropy_floor` should be None (off) or a number in (0, 1). Received 1.0."),
     row("config-mini-batch-size-string", lambda c: PPOConfig(mini_batch_size="8"),
         ValueError, "`mini_batch_size` should be None or an integer >= 1. Received '8'."),
     row("config-clip-coef-nan", lambda c: PPOConfig(clip_coef=float("nan")),

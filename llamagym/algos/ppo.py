@@ -366,6 +366,42 @@ class AdaptiveKLController(FixedKLController):
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
+class EntropyFloor:
+    """An entropy bonus that switches itself on when the sampled policy's entropy falls below a floor.
+
+    A policy that turns near-deterministic before it has learned stops sampling the actions it would learn from:
+    Blackjack's "hit" fell to a few percent of turns everywhere, low totals included, and the policy stayed at
+    stick-always (docs/learning-that-holds.md, "Twelfth session"). The floor is a constraint on the mean entropy,
+    with its multiplier adapted as a Lagrangian's (SAC's learned temperature, Haarnoja et al. 2018,
+    arXiv:1812.05905; step by step as Skywork-OR1's adaptive entropy control, arXiv:2505.22312): each update the
+    bonus's weight `value` rises by `step` while the entropy is below `floor` and falls by `step` (never below 0)
+    while it is above, so it is 0 whenever the policy keeps its entropy by itself.
+
+    Entropy is counted as a fraction of the most a choice can have (entropy / ln(number of options)), so one floor
+    means the same for a choice of 2 and of 16.
+
+    Examples (floor 0.3, step 0.002): value 0 -> update(0.1) -> 0.002 -> update(0.1) -> 0.004 -> update(0.5) -> 0.002;
+    value 0 -> update(0.5) -> 0 (it never goes negative).
+    """
+
+    def __init__(self, floor: float, step: float) -> None:
+        self.floor, self.step, self.value = floor, step, 0.0
+
+    def update(self, entropy: float) -> float:
+        """Adapt the weight to this batch's mean relative entropy (NaN: unchanged) and return it."""
+        if entropy < self.floor:
+            self.value += self.step
+        elif entropy >= self.floor:
+            self.value = max(0.0, self.value - self.step)
+        return self.value
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
 class RunningMoments:
     """Mean and standard deviation of every value seen so far (Chan et al.'s parallel update of Welford's method).
 

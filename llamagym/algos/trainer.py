@@ -109,6 +109,9 @@ class PPOTrainer:
         self.average = WeightAverage(lm_params, config.average_updates) if config.average_updates else None
         self._lent = False  # greedy_weights() has lent the average to the adapter
         self.return_moments = ppo.RunningMoments()  # every return so far: the scale of advantage_scale="returns"
+        floor = config.entropy_floor
+        self.entropy_floor = ppo.EntropyFloor(floor, config.entropy_floor_step) if floor is not None else None
+        self.ent_coef = config.ent_coef  # this update's entropy bonus weight: ent_coef + the floor's (see `step`)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.num_updates = 0
         self.step_scale = 1.0  # this update's factor on the adapter's step size (see `anneal_updates`)
@@ -171,8 +174,9 @@ class PPOTrainer:
         all_values = scored.values
         self.return_moments.update(returns)
         spread = {"adv/raw_std": _std(advantages), "adv/return_std": _std(returns), **estimator_stats}
+        equal = _equal_returns(scored, cfg.gamma)
         if self.estimator.needs_value and cfg.whiten_advantages and len(advantages) >= 2:
-            if _equal_returns(scored, cfg.gamma):
+            if equal:
                 # every action led to the same return: nothing says one was better, and what A = R - V holds is
                 # the value head's error, which whitening would blow up into full-size steps (a solved policy
                 # then collapses). No policy step; the value head still learns.
@@ -197,6 +201,7 @@ class PPOTrainer:
             advantages=local,
             returns=returns[mine],
         )
+        spread.update(self._entropy_bonus(data, equal))
 
         # 4. epochs x minibatches (each accumulated over micro-batches), target-KL check before each step
         stats: dict[str, list[float]] = defaultdict(list)
@@ -213,7 +218,8 @@ class PPOTrainer:
                 if region is not None:
                     region.remember()
                 if self._step(stats) and region is not None:
-                    measure = functools.partial(self._measure, data, index, mb["ppo/surrogate"])
+                    before = mb["ppo/surrogate"] + self.ent_coef * mb["ppo/entropy"]
+                    measure = functools.partial(self._measure, data, index, before)
                     for key, value in region.enforce(measure, self._moved).items():
                         stats[f"trust/{key}"].append(value)
                 done += 1
@@ -443,7 +449,7 @@ class PPOTrainer:
             # a per-reply aggregation is a mean over rows: its micro-batch weighs by its share of the rows
             pg_share = token_share if cfg.loss_aggregation == "token_mean" else row_share
             pg_term = pg_loss if cfg.loss_aggregation == "token_mean" else pg_loss * (row_share / token_share)
-            loss = (pg_term - cfg.ent_coef * entropy) * token_share + cfg.vf_coef * v_loss * row_share
+            loss = (pg_term - self.ent_coef * entropy) * token_share + cfg.vf_coef * v_loss * row_share
             if not self._backward(loss):
                 finite = False
                 break
@@ -468,11 +474,12 @@ class PPOTrainer:
         return dict(sums) if finite else None
 
     @torch.no_grad()
-    def _measure(self, data: UpdateBatch, index: torch.Tensor, surrogate_before: float):
+    def _measure(self, data: UpdateBatch, index: torch.Tensor, objective_before: float):
         """How far the policy now is from the batch's old one on rows `index`: the mean and largest KL(old || new)
         per turn (the action mode's `kl`: exact over the candidates when scoring, the k3 estimate summed over the
         reply when generating),
-        and whether the unclipped surrogate mean(ratio x advantage) did not fall below `surrogate_before`.
+        and whether the step's objective, the unclipped surrogate mean(ratio x advantage) plus this update's entropy
+        bonus (`ent_coef` x the mean entropy), did not fall below `objective_before`.
 
         "Below" allows 0.1% of the mean |advantage|: under bf16 a tiny step moves log-probs by rounding as much as
         by the step, and a stricter test rejected such steps at random, halving the step size each time.
@@ -484,7 +491,10 @@ class PPOTrainer:
             old = data.old_logprobs[part, : logprobs.shape[1]]
             kls.append(data.mode.kl(data, part, now))
             part_advantages = data.advantages[part].unsqueeze(-1).expand_as(old)
-            surrogate += float(_surrogate(logprobs, old, part_advantages, part_mask) * part_mask.sum() / tokens)
+            objective = _surrogate(logprobs, old, part_advantages, part_mask)
+            if self.ent_coef and now.entropy is not None:
+                objective = objective + self.ent_coef * ppo.masked_mean(now.entropy, part_mask)
+            surrogate += float(objective * part_mask.sum() / tokens)
         kl = torch.cat(kls)
         if distributed.is_distributed():  # over every rank's turns, so that all ranks keep or undo the same step
             total = distributed.reduce_dict(
@@ -497,9 +507,27 @@ class PPOTrainer:
             )
             kl_max = distributed.reduce_number(float(kl.max()), "max")
             tolerance = 1e-3 * total["adv"] / total["turns"] + 1e-7
-            return total["kl"] / total["turns"], kl_max, total["surrogate"] >= surrogate_before - tolerance
+            return total["kl"] / total["turns"], kl_max, total["surrogate"] >= objective_before - tolerance
         tolerance = 1e-3 * float(data.advantages[index].abs().mean()) + 1e-7
-        return float(kl.mean()), float(kl.max()), surrogate >= surrogate_before - tolerance
+        return float(kl.mean()), float(kl.max()), surrogate >= objective_before - tolerance
+
+    def _entropy_bonus(self, data: UpdateBatch, equal: bool) -> dict[str, float]:
+        """Set this update's entropy bonus weight `ent_coef`: the configured one plus the entropy floor's, adapted to
+        the batch's mean entropy fraction (`ppo.EntropyFloor`; over every rank's turns, data-parallel). A batch of
+        equal returns gets none: nothing says any action was better, and it takes no policy step.
+        Returns the stats to log."""
+        fraction = data.mode.entropy_fraction(data) if self.entropy_floor is not None else None
+        stats: dict[str, float] = {}
+        floor = 0.0
+        if fraction is not None:
+            total = {"sum": float(fraction.sum()), "turns": len(fraction)}
+            if distributed.is_distributed():
+                total = distributed.reduce_dict(total)
+            stats["ppo/entropy_fraction"] = total["sum"] / total["turns"]
+            floor = self.entropy_floor.update(stats["ppo/entropy_fraction"])
+            stats["ppo/entropy_floor_coef"] = floor
+        self.ent_coef = 0.0 if equal else self.config.ent_coef + floor
+        return stats
 
     def _moved(self) -> None:
         """The trust region changed the weights: outputs cached under the old version are stale."""
@@ -650,6 +678,7 @@ class PPOTrainer:
             "replay": self.replay.state_dict() if self.replay is not None else None,
             "return_moments": self.return_moments.state_dict(),
             "trust_start": self.trust_region.start if self.trust_region is not None else None,
+            "entropy_floor": self.entropy_floor.state_dict() if self.entropy_floor is not None else None,
             "average": self.average.state_dict() if self.average is not None else None,
         }
 
@@ -666,6 +695,8 @@ class PPOTrainer:
             self.return_moments.load_state_dict(state["return_moments"])
         if self.trust_region is not None and state.get("trust_start") is not None:
             self.trust_region.start = state["trust_start"]
+        if self.entropy_floor is not None and state.get("entropy_floor") is not None:  # absent before it existed
+            self.entropy_floor.load_state_dict(state["entropy_floor"])
         if self.average is not None and state.get("average") is not None:  # absent before averaging existed
             self.average.load_state_dict(state["average"])
 

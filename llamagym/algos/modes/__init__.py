@@ -128,6 +128,12 @@ class ActionMode(ABC):
         """(P,) KL(old || now) per turn of rows `part`, the old policy's outputs being `data`'s: what the trust
         region bounds (`PPOConfig.max_kl`), in the mode's own unit."""
 
+    def entropy_fraction(self, data: UpdateBatch) -> torch.Tensor | None:
+        """(N,) each turn's entropy under the batch's old policy as a fraction of the most its choice can have (what
+        `PPOConfig.entropy_floor` holds up), or None when the mode's choice has no such bound (generating: the
+        vocabulary's entropy per token says little about how varied the actions are)."""
+        return None
+
     def empty_distributions(self, batch) -> torch.Tensor | None:
         """An (N, C) table for the old policy's distributions over the candidates, or None when there are none."""
         return None

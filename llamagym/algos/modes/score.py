@@ -110,6 +110,10 @@ class ScoreMode(ActionMode):
         entropy = -(probs * logprobs.masked_fill(probs == 0, 0.0)).sum(-1, keepdim=True)
         return Evaluation(chosen, torch.ones_like(chosen), out.values[inverse], entropy, logprobs)
 
+    def entropy_fraction(self, data: UpdateBatch) -> torch.Tensor:
+        """Exact over the candidates, divided by the log of their number (`entropy_fraction`)."""
+        return entropy_fraction(data.old_dists, data.batch.num_candidates)
+
     def empty_distributions(self, batch: ScoreBatch) -> torch.Tensor:
         """As wide as the batch's most candidates (a micro-batch may have fewer), -inf (probability 0) elsewhere."""
         width = int(batch.num_candidates.max())
@@ -126,6 +130,17 @@ class ScoreMode(ActionMode):
         """
         old = data.old_dists[part, : now.dists.shape[1]]
         return relative_kl(old, now.dists, data.batch.num_candidates[part])
+
+
+def entropy_fraction(logp: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """(N,) entropy of each row of log-probabilities (-inf = padding) divided by the log of its `count` (N,)
+    candidates: 1 for uniform, 0 for one certain candidate (and for a row of one candidate).
+
+    Examples: (0.5, 0.5): 1.0; (0.9, 0.1): 0.4690; (0.7, 0.1, 0.1, 0.1) over 4: 0.6784.
+    """
+    p = logp.exp()
+    entropy = -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
+    return entropy / torch.log(count.clamp_min(2).to(logp.dtype))
 
 
 def relative_kl(old: torch.Tensor, new: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
