@@ -67,6 +67,9 @@ def test_generate_mode_has_no_floor(lora_config, tokenizer):
     episodes = [Episode([Turn(p, c[0], float(i % 2))]) for i, (p, c) in pairs]
     stats = trainer(lora_config, tokenizer, natural_gradient=None).step(episodes)
     assert "ppo/entropy_floor_coef" not in stats and math.isfinite(stats["ppo/loss"])
+    # a configured bonus still applies, and the trust region's check measures it as the loss did
+    bound = trainer(lora_config, tokenizer, max_kl_generate=True, ent_coef=0.1).step(episodes)
+    assert "trust/scale" in bound and math.isfinite(bound["ppo/loss"]) and bound["ppo/entropy"] > 0
 
 
 def test_a_batch_of_equal_returns_takes_no_entropy_step_either(model, lora_config, tokenizer):

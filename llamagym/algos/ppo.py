@@ -388,7 +388,7 @@ class EntropyFloor:
         self.floor, self.step, self.value = floor, step, 0.0
 
     def update(self, entropy: float) -> float:
-        """Adapt the weight to this batch's mean relative entropy (NaN: unchanged) and return it."""
+        """Adapt the weight to this batch's mean entropy fraction (NaN: unchanged) and return it."""
         if entropy < self.floor:
             self.value += self.step
         elif entropy >= self.floor:

@@ -486,13 +486,13 @@ class PPOTrainer:
         """
         kls, surrogate, tokens = [], 0.0, distributed.all_reduce(data.mask[index].sum())
         for part in self._micro(data.groups, index):
-            now = self._evaluate(data, part)
+            now = self._evaluate(data, part, with_entropy=bool(self.ent_coef))
             logprobs, part_mask = now.logprobs, now.mask
             old = data.old_logprobs[part, : logprobs.shape[1]]
             kls.append(data.mode.kl(data, part, now))
             part_advantages = data.advantages[part].unsqueeze(-1).expand_as(old)
             objective = _surrogate(logprobs, old, part_advantages, part_mask)
-            if self.ent_coef and now.entropy is not None:
+            if self.ent_coef:
                 objective = objective + self.ent_coef * ppo.masked_mean(now.entropy, part_mask)
             surrogate += float(objective * part_mask.sum() / tokens)
         kl = torch.cat(kls)
