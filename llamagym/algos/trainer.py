@@ -484,7 +484,7 @@ class PPOTrainer:
         "Below" allows 0.1% of the mean |advantage|: under bf16 a tiny step moves log-probs by rounding as much as
         by the step, and a stricter test rejected such steps at random, halving the step size each time.
         """
-        kls, surrogate, tokens = [], 0.0, distributed.all_reduce(data.mask[index].sum())
+        kls, objective_after, tokens = [], 0.0, distributed.all_reduce(data.mask[index].sum())
         for part in self._micro(data.groups, index):
             now = self._evaluate(data, part, with_entropy=bool(self.ent_coef))
             logprobs, part_mask = now.logprobs, now.mask
@@ -494,22 +494,22 @@ class PPOTrainer:
             objective = _surrogate(logprobs, old, part_advantages, part_mask)
             if self.ent_coef:
                 objective = objective + self.ent_coef * ppo.masked_mean(now.entropy, part_mask)
-            surrogate += float(objective * part_mask.sum() / tokens)
+            objective_after += float(objective * part_mask.sum() / tokens)
         kl = torch.cat(kls)
         if distributed.is_distributed():  # over every rank's turns, so that all ranks keep or undo the same step
             total = distributed.reduce_dict(
                 {
                     "kl": float(kl.sum()),
                     "turns": len(kl),
-                    "surrogate": surrogate,
+                    "objective": objective_after,
                     "adv": float(data.advantages[index].abs().sum()),
                 }
             )
             kl_max = distributed.reduce_number(float(kl.max()), "max")
             tolerance = 1e-3 * total["adv"] / total["turns"] + 1e-7
-            return total["kl"] / total["turns"], kl_max, total["surrogate"] >= objective_before - tolerance
+            return total["kl"] / total["turns"], kl_max, total["objective"] >= objective_before - tolerance
         tolerance = 1e-3 * float(data.advantages[index].abs().mean()) + 1e-7
-        return float(kl.mean()), float(kl.max()), surrogate >= objective_before - tolerance
+        return float(kl.mean()), float(kl.max()), objective_after >= objective_before - tolerance
 
     def _entropy_bonus(self, data: UpdateBatch, equal: bool) -> dict[str, float]:
         """Set this update's entropy bonus weight `ent_coef`: the configured one plus the entropy floor's, adapted to

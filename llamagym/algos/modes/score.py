@@ -106,8 +106,7 @@ class ScoreMode(ActionMode):
             watch(out.logprobs)
         logprobs = out.logprobs[inverse]
         chosen = logprobs.gather(1, batch.choice[part][:, None])
-        probs = logprobs.exp()
-        entropy = -(probs * logprobs.masked_fill(probs == 0, 0.0)).sum(-1, keepdim=True)
+        entropy = categorical_entropy(logprobs).unsqueeze(-1)
         return Evaluation(chosen, torch.ones_like(chosen), out.values[inverse], entropy, logprobs)
 
     def entropy_fraction(self, data: UpdateBatch) -> torch.Tensor:
@@ -138,9 +137,13 @@ def entropy_fraction(logp: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
 
     Examples: (0.5, 0.5): 1.0; (0.9, 0.1): 0.4690; (0.7, 0.1, 0.1, 0.1) over 4: 0.6784.
     """
+    return categorical_entropy(logp) / torch.log(count.clamp_min(2).to(logp.dtype))
+
+
+def categorical_entropy(logp: torch.Tensor) -> torch.Tensor:
+    """(...) entropy in nats of each row of log-probabilities over the last dim (-inf = padding, contributes 0)."""
     p = logp.exp()
-    entropy = -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
-    return entropy / torch.log(count.clamp_min(2).to(logp.dtype))
+    return -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)
 
 
 def relative_kl(old: torch.Tensor, new: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
