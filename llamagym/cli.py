@@ -125,8 +125,8 @@ def _check_devices() -> bool:
 
 def cpu_precision_note() -> str:
     """The precision the policy runs in on this CPU by default (`precision="auto"`) and why: CPUs sold under one
-    model name differ here (an AMD EPYC with AVX512-BF16 runs bf16, one with AVX2 only runs fp32, about 2.7x slower per
-    update), so a time measured on a CPU is read beside this."""
+    model name differ here (an AMD EPYC with AVX512-BF16 runs bf16, one with AVX2 only runs fp32, about 2.7x slower
+    per update), so a time measured on a CPU is read beside this."""
     import torch
 
     from .models.devices import resolve_precision
