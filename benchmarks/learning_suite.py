@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 import llamagym.envs as suite
-from llamagym.cli import cpu_precision_note
 from llamagym.evaluation import save_json
+from llamagym.models.devices import cpu_precision_note
 
 THRESHOLDS = (0.5, 0.8)
 # per-update statistics kept in results.json, to see what an update did when a curve breaks

@@ -87,7 +87,7 @@ def main() -> None:
         parser.error("--against should name another checkout's root, the folder that holds its llamagym/.")
     from learning_suite import cpu_model  # beside this file
 
-    from llamagym.cli import cpu_precision_note
+    from llamagym.models.devices import cpu_precision_note
 
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, {args.threads} torch threads, {cpu_precision_note()}")
     times = {"this": [], "other": []}

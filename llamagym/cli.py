@@ -112,6 +112,8 @@ def _check_devices() -> bool:
     """Print the devices line and return whether CUDA is available."""
     import torch
 
+    from .models.devices import cpu_precision_note
+
     cuda = torch.cuda.is_available()
     mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
     cpu = f"cpu: torch uses {torch.get_num_threads()} of {os.cpu_count()} cores"
@@ -121,19 +123,6 @@ def _check_devices() -> bool:
     gpu = f"cuda: {torch.cuda.get_device_name(0)}" if cuda else "cuda: not available"
     _line("ok", "devices", f"{cpu}; {gpu}; mps: {'available' if mps else 'not available'}")
     return cuda
-
-
-def cpu_precision_note() -> str:
-    """The precision the policy runs in on this CPU by default (`precision="auto"`) and why: CPUs sold under one
-    model name differ here (an AMD EPYC with AVX512-BF16 runs bf16, one with AVX2 only runs fp32, about 2.7x slower
-    per update), so a time measured on a CPU is read beside this."""
-    import torch
-
-    from .models.devices import resolve_precision
-
-    if resolve_precision("auto", torch.device("cpu")) == "bf16":
-        return "policy in bf16 (native here: AVX512-BF16 or AMX)"
-    return "policy in fp32 (no native bf16 here: no AVX512-BF16 or AMX)"
 
 
 def _check_default_model(load: bool, device: str) -> bool:

@@ -44,9 +44,9 @@ def test_doctor_names_the_precision_the_cpu_runs(monkeypatch):
     import llamagym.models.devices as devices
 
     monkeypatch.setattr(devices, "fast_bf16", lambda device: True)
-    assert cli.cpu_precision_note().startswith("policy in bf16")
+    assert devices.cpu_precision_note().startswith("policy in bf16")
     monkeypatch.setattr(devices, "fast_bf16", lambda device: False)
-    assert cli.cpu_precision_note().startswith("policy in fp32 (no native bf16")
+    assert devices.cpu_precision_note().startswith("policy in fp32 (no native bf16")
 
 
 def test_doctor_gives_the_fix_for_a_missing_optional_stack(capsys, monkeypatch):

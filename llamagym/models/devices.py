@@ -76,3 +76,12 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     if precision == "bf16" and device.type == "mps":
         raise ValueError("`precision`='bf16' is not supported on MPS. Use 'fp32' or 'auto'.")
     return precision
+
+
+def cpu_precision_note() -> str:
+    """The precision the policy runs in on this CPU by default (`precision="auto"`) and why: CPUs sold under one
+    model name differ here (an AMD EPYC with AVX512-BF16 runs bf16, one with AVX2 only runs fp32, about 2.7x slower
+    per update), so a time measured on a CPU is read beside this."""
+    if resolve_precision("auto", torch.device("cpu")) == "bf16":
+        return "policy in bf16 (native here: AVX512-BF16 or AMX)"
+    return "policy in fp32 (no native bf16 here: no AVX512-BF16 or AMX)"
