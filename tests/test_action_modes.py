@@ -74,7 +74,7 @@ def test_a_mode_defined_in_a_test_file_acts_and_trains_through_the_public_seam(s
     assert turn.mode == "score-sum" and turn.response_ids == turn.candidates[turn.choice]
     totals = loglikelihoods(agent.policy, turn.prompt_ids, turn.candidates)
     lengths = torch.tensor([len(c) for c in turn.candidates], dtype=torch.float32)
-    acted = agent.actor.memory(sum_mode)[ScoreMode.key(turn.prompt_ids, turn.candidates)]
+    acted = agent.actor.memory(sum_mode)[ScoreMode.key(turn.prompt_ids, turn.candidates)].logprobs
     torch.testing.assert_close(acted, torch.log_softmax(totals, -1), atol=1e-5, rtol=0)
     assert not torch.allclose(acted, torch.log_softmax(totals / lengths, -1), atol=1e-3)
 

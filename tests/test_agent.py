@@ -230,11 +230,11 @@ def test_predict_scores_in_float32_and_never_reuses_scores_cached_under_bf16(mod
     ((key, acted),) = scores.items()
     agent.predict([0])
     assert agent.policy.precision == "bf16"
-    predicted = scores[key]
+    predicted = scores[key].logprobs
     agent.policy.precision = "fp32"  # the same weights, run in fp32 throughout
     agent.act(0)
-    torch.testing.assert_close(predicted, scores[key], atol=0, rtol=0)
-    assert not torch.equal(acted, predicted)
+    torch.testing.assert_close(predicted, scores[key].logprobs, atol=0, rtol=0)
+    assert not torch.equal(acted.logprobs, predicted)
 
 
 def test_predict_acts_greedily_from_a_fresh_context_and_records_nothing(model, tokenizer, lora_config):

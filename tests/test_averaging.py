@@ -67,19 +67,19 @@ def test_greedy_acting_scores_with_the_average_and_sampling_with_the_current_wei
     assert average.count == 2
     scores = agent.actor.memory(MODES["score"])  # one dict, emptied at the next act whenever the weights changed
     agent.predict([0])
-    (greedy,) = scores.values()
+    (greedy,) = (scored.logprobs for scored in scores.values())
     agent.predict([0], greedy=False)  # sampled, from the same fresh context
-    (sampled,) = scores.values()
+    (sampled,) = (scored.logprobs for scored in scores.values())
     assert not torch.allclose(greedy, sampled)  # the average is not the latest weights
     with agent.trainer.latest_weights():  # greedy acting with the latest weights, as the benchmark compares them
         agent.predict([0])
-        (latest,) = scores.values()
+        (latest,) = (scored.logprobs for scored in scores.values())
     torch.testing.assert_close(latest, sampled)
     assert agent.trainer.average is average
     with average.swapped():  # the average lent by hand: sampling with it scores what greedy acting scored
         agent.policy.version += 1
         agent.predict([0], greedy=False)
-        (by_hand,) = scores.values()
+        (by_hand,) = (scored.logprobs for scored in scores.values())
     torch.testing.assert_close(greedy, by_hand)
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from llamagym.algos import ppo
-from llamagym.algos.modes import MODES
+from llamagym.algos.modes import MODES, ScoreMode
 from llamagym.algos.rollout import Episode, Turn, collate, collate_scored
 from llamagym.algos.trainer import PPOTrainer
 from llamagym.config import PPOConfig
@@ -21,7 +21,7 @@ def choose(actor, prompts, candidates, greedy=False):
 
 def scores(actor):
     """The score mode's memory: each distinct input's log-probs over its candidates."""
-    return actor.memory(MODES["score"])
+    return {key: scored.logprobs for key, scored in actor.memory(MODES["score"]).items()}
 
 
 def manual_scores(policy, prompt, candidates):
@@ -156,3 +156,61 @@ def test_scoring_within_a_token_budget_gives_the_same_distributions(model, token
     assert choose(actor, PROMPTS, CANDIDATES, greedy=True) == greedy and scored_rows == [1] * len(PROMPTS)
     for (p, c), expected in zip(zip(PROMPTS, CANDIDATES, strict=True), whole, strict=True):
         torch.testing.assert_close(scores(actor)[(tuple(p), tuple(map(tuple, c)))], expected, atol=1e-5, rtol=0)
+
+
+def test_an_update_takes_the_old_outputs_acting_computed_and_runs_only_the_inputs_it_lacks(
+    model, tokenizer, lora_config, monkeypatch
+):
+    from llamagym import Agent
+
+    class Named(Agent):
+        action_names = ["yes", "no"]
+
+        def get_system_prompt(self):
+            return "Answer yes or no."
+
+        def format_observation(self, observation):
+            return f"step {observation}"
+
+        def extract_action(self, response):
+            return 0 if response.startswith("yes") else 1
+
+    config = PPOConfig(batch_size=2, min_batch_turns=0, seed=0)
+    agent = Named(model, tokenizer, "cpu", ppo_config=config, lora_config=lora_config, precision="fp32")
+    compared, rows_run = [], []
+    score, evaluate = PPOTrainer._score, PPOTrainer._evaluate
+
+    def both_ways(trainer, data, plan, reference, recalled=None):  # what the update used, beside all recomputed
+        fresh = score(trainer, data, plan, reference)
+        rows_run.clear()
+        used = score(trainer, data, plan, reference, recalled)
+        compared.append((recalled, fresh, used))
+        return used
+
+    def counted(trainer, data, part, *args, **kwargs):
+        rows_run.append(len(part))
+        return evaluate(trainer, data, part, *args, **kwargs)
+
+    monkeypatch.setattr(PPOTrainer, "_score", both_ways)
+    monkeypatch.setattr(PPOTrainer, "_evaluate", counted)
+    for observations in ([0, 1], [0, 2]):
+        for observation in observations:
+            agent.act(observation)
+            agent.assign_reward(float(observation))
+        if observations[-1] == 2:  # the input of the last turn is forgotten (as an evicted or older one would be)
+            turn = agent.episode.turns[-1]
+            del agent.actor.memory(MODES["score"])[ScoreMode.key(turn.prompt_ids, turn.candidates)]
+            rows_run.clear()
+        stats = agent.terminate_episode()
+    assert "ppo/policy_loss" in stats
+    ((recalled, fresh, used),) = compared
+    assert recalled.known.tolist() == [True, True, True, False] and rows_run[0] == 1  # only the forgotten input ran
+    for old, new in zip(fresh, used, strict=True):  # log-probs, values, distributions, the value head's inputs
+        torch.testing.assert_close(new, old, atol=1e-5, rtol=0)
+
+
+def test_the_value_refit_makes_remembered_outputs_stale_even_without_a_policy_step(model, tokenizer, lora_config):
+    trainer = PPOTrainer(Policy(model, lora_config), PPOConfig(max_kl=None), 256)
+    version = trainer.policy.version
+    trainer._refit_value(torch.randn(6, model.config.hidden_size), torch.randn(6))
+    assert trainer.policy.version == version + 1

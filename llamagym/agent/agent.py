@@ -376,7 +376,7 @@ class Agent(ABC):
         if not self.batch:
             return {}
         episodes, self.batch = self.batch, []
-        stats = self.trainer.step(episodes)
+        stats = self.trainer.step(episodes, acted=self.actor.memory)  # old outputs acting computed are reused
         stats["agent/batch_invalid_action_rate"] = _mean(not t.valid for e in episodes for t in e.turns)
         if self.sampling_seed is not None:
             stats.update(

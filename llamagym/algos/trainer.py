@@ -34,6 +34,7 @@ import logging
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -44,7 +45,7 @@ from ..models.host_memory import release_freed_memory
 from ..models.policy import Policy
 from . import estimators, ppo
 from .averaging import WeightAverage
-from .modes import mode_of
+from .modes import ActionMode, Recalled, mode_of
 from .natural_gradient import NaturalGradient, RowGradients
 from .rollout import Episode, Turn, UpdateBatch, collate, minibatch_indices, numbered, prompt_batch
 from .sft_replay import SFTReplayBuffer, sft_loss
@@ -122,8 +123,12 @@ class PPOTrainer:
         distributed.broadcast_(list(policy.trainable_parameters()))  # every rank starts from rank 0's weights
 
     # ---- one update ------------------------------------------------------------------------------------------
-    def step(self, episodes: list[Episode]) -> dict[str, float]:
-        """Run one PPO update (then the SFT replay steps) on finished episodes."""
+    def step(self, episodes: list[Episode], acted: Callable[[ActionMode], dict] | None = None) -> dict[str, float]:
+        """Run one PPO update (then the SFT replay steps) on finished episodes.
+
+        `acted(mode)` gives the acting memory of the turns' mode (the agent's `Actor.memory`): the old policy's
+        outputs acting already computed with the current weights are taken from there (`ActionMode.recall`) and
+        only the other inputs are run again. Not with the base sharded, where every forward is a collective."""
         cfg, start = self.config, time.perf_counter()
         episodes = [e for e in episodes if e.turns]
         if not episodes:
@@ -154,7 +159,10 @@ class PPOTrainer:
 
         # 1. old log-probs and values (and, scoring, the old distributions over candidates), reference log-probs
         #    (no grad, dropout off)
-        old_logprobs, old_values, old_dists, features = self._score(data, plans[0], reference=False)
+        recalled = None
+        if acted is not None and not self.policy.sharded:
+            recalled = mode.recall(acted(mode), turns, batch)
+        old_logprobs, old_values, old_dists, features = self._score(data, plans[0], reference=False, recalled=recalled)
         if self.kl_controller.value == 0 and not cfg.adaptive_kl:
             ref_logprobs = old_logprobs  # the KL term is off: skip the reference forward pass
         else:
@@ -373,18 +381,26 @@ class PPOTrainer:
         return [index[torch.isin(inverse, chunk)] for chunk in torch.arange(len(distinct)).tensor_split(count)]
 
     @torch.no_grad()
-    def _score(self, data: UpdateBatch, plan: list[torch.Tensor], reference: bool):
+    def _score(self, data: UpdateBatch, plan: list[torch.Tensor], reference: bool, recalled: Recalled | None = None):
         """Log-probs (N, T), values (N,), scoring the candidate distributions (N, C) (else None), and the value
         head's inputs (N, H) when `value_refit` asks for them (else None) of the whole batch, computed micro-batch
-        by micro-batch as the first epoch will (so the first minibatch's ratio is exactly 1)."""
+        by micro-batch as the first epoch will (so the first minibatch's ratio is exactly 1).
+
+        Rows `recalled.known` are taken from what acting computed with the same weights instead (in another batch
+        shape: their first ratio is 1 up to rounding, exactly in fp32 but for the last bits)."""
         groups = data.groups
         logprobs = torch.zeros_like(data.mask)
         values = torch.zeros(data.batch.input_ids.shape[0], device=logprobs.device)
         dists, features = data.mode.empty_distributions(data.batch), None
         seen: list[torch.Tensor] = []
         keep = not reference and self.config.value_refit is not None
+        if recalled is not None:
+            logprobs, values = recalled.logprobs.clone(), recalled.values.clone()
+            dists = None if recalled.dists is None else recalled.dists.clone()
+            features = recalled.features.clone() if keep and recalled.features is not None else None
+            plan = [index[~recalled.known[index]] for index in plan]
         hook = self.policy.value_head.register_forward_pre_hook(lambda _, args: seen.append(args[0])) if keep else None
-        for part in (part for index in plan for part in self._micro(groups, index)):
+        for part in (part for index in plan if len(index) for part in self._micro(groups, index)):
             mb_logprobs, _, mb_values, _, mb_dists = self._evaluate(data, part, reference=reference)
             logprobs[part, : mb_logprobs.shape[1]] = mb_logprobs
             values[part] = mb_values
@@ -410,6 +426,7 @@ class PPOTrainer:
             return float("nan")
         linear.weight.copy_(weight)
         linear.bias.copy_(bias)
+        self._moved()  # values acting remembered are stale, even if no policy step was taken
         fitted = (features @ weight.T).squeeze(-1) + bias
         return float(ppo.explained_variance(fitted, returns, torch.ones_like(returns)))
 
@@ -530,7 +547,8 @@ class PPOTrainer:
         return stats
 
     def _moved(self) -> None:
-        """The trust region changed the weights: outputs cached under the old version are stale."""
+        """The weights changed outside an optimizer step (the trust region, the value refit): outputs cached under
+        the old version are stale."""
         self.policy.version += 1
 
     @torch.no_grad()

@@ -100,6 +100,7 @@ CandidateLogits = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (total
 class ScoreOutput(NamedTuple):
     logprobs: torch.Tensor  # (N, C) log-probability of each candidate reply, -inf where a row has fewer
     values: torch.Tensor  # (N,) fp32 value at the last prompt token
+    features: torch.Tensor  # (N, H) the value head's input there: the last prompt token's hidden state
 
 
 class Policy(nn.Module):
@@ -340,8 +341,8 @@ class Policy(nn.Module):
         scores = (candidate_logits or length_normalised)(totals.view(n, width), counts.view(n, width))
         exists = torch.arange(width, device=hidden.device)[None] < batch.num_candidates[:, None]
         logprobs = torch.log_softmax(scores.masked_fill(~exists, float("-inf")), dim=-1)
-        values = self.value_head(hidden[torch.arange(n, device=hidden.device), batch.value_index])
-        return ScoreOutput(logprobs, values)
+        features = hidden[torch.arange(n, device=hidden.device), batch.value_index]
+        return ScoreOutput(logprobs, self.value_head(features), features)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **generation_kwargs) -> torch.Tensor:

@@ -32,6 +32,9 @@ Training (`Policy` outputs; everything per turn is computed once per distinct in
   distributions (P, C) or None. Rows `part[first]` are run and `inverse` spreads them back over `part`.
 - `kl(data, part, now) -> (P,)`: KL(old || now) per turn of rows `part`, the old outputs being `data`'s.
 - `empty_distributions(batch) -> (N, C) or None`: a table for the old policy's distributions, if the mode has them.
+- `recall(memory, turns, batch) -> Recalled or None` (optional): the old policy's outputs that acting already
+  computed with the current weights and kept in `memory` (its `actor.memory(self)`), so that the update runs only
+  the rest; None (the default) computes them all.
 
 Class attributes: `name` (its key in `MODES`, recorded on its turns), `takes_candidates` (`choose` needs
 candidate replies: the agent asks its `action_candidates` hook) and `exact_kl` (the KL of `kl` is exact, so
@@ -78,6 +81,16 @@ class Evaluation(NamedTuple):
     values: torch.Tensor  # (P,) V(s)
     entropy: torch.Tensor | None  # (P, T) the policy's entropy there, when asked for
     dists: torch.Tensor | None  # (P, C) log-probs of every candidate (scoring), else None
+
+
+class Recalled(NamedTuple):
+    """The old policy's outputs acting computed for an update's turns (`ActionMode.recall`); 0 where not `known`."""
+
+    known: torch.Tensor  # (N,) bool: acting computed this row's input with the current weights
+    logprobs: torch.Tensor  # (N, T) log-probs of the actions
+    values: torch.Tensor  # (N,) V(s)
+    dists: torch.Tensor | None  # (N, C) log-probs of every candidate (scoring), else None
+    features: torch.Tensor | None  # (N, H) the value head's inputs, None when no row is known
 
 
 class ActionMode(ABC):
@@ -136,6 +149,12 @@ class ActionMode(ABC):
 
     def empty_distributions(self, batch) -> torch.Tensor | None:
         """An (N, C) table for the old policy's distributions over the candidates, or None when there are none."""
+        return None
+
+    def recall(self, memory: dict, turns: list[Turn], batch) -> Recalled | None:
+        """The old policy's outputs for `turns` (collated as `batch`) that acting computed with the current weights
+        and kept in `memory` (`actor.memory(self)`), or None when the mode keeps none (then the trainer computes
+        them all)."""
         return None
 
     def distinct_inputs(self, turns: list[Turn]) -> torch.Tensor:
@@ -198,6 +217,7 @@ __all__ = [
     "Choice",
     "Evaluation",
     "GenerateMode",
+    "Recalled",
     "ScoreMode",
     "mode_of",
     "register_mode",

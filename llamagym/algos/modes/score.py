@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -19,7 +19,15 @@ from ... import distributed
 from ...models.policy import length_normalised
 from ..rollout import ScoreBatch, Turn, UpdateBatch, collate_scored
 from ..trust_region import categorical_kl
-from . import ActionMode, Choice, Evaluation
+from . import ActionMode, Choice, Evaluation, Recalled
+
+
+class Scored(NamedTuple):
+    """What acting computed for one input, remembered until the weights change (`actor.memory`)."""
+
+    logprobs: torch.Tensor  # (C,) the policy over the input's candidates
+    value: torch.Tensor  # () V(s) at the last prompt token
+    features: torch.Tensor  # (H,) the value head's input there (what the value refit regresses on)
 
 
 class ScoreMode(ActionMode):
@@ -42,9 +50,10 @@ class ScoreMode(ActionMode):
     def choose(self, actor, prompts, candidates, greedy=False) -> list[Choice]:
         """The chosen candidate of each prompt: sampled from the policy, or its arg-max when greedy.
 
-        Each distinct (prompt, candidates) input is scored once per policy version (`actor.memory`): envs in the
-        same state, now or later in the rollout, reuse its distribution until the weights (or the precision)
-        change. Inputs are scored in forwards of at most `actor.score_tokens` candidate tokens.
+        Each distinct (prompt, candidates) input is scored once per policy version and remembered as `Scored`
+        (`actor.memory`): envs in the same state, now or later in the rollout, reuse its distribution until the
+        weights (or the precision) change, and the update takes its old outputs from there (`recall`). Inputs are
+        scored in forwards of at most `actor.score_tokens` candidate tokens.
         """
         scores = actor.memory(self)
         keys = [self.key(p, c) for p, c in zip(prompts, candidates, strict=True)]
@@ -68,12 +77,11 @@ class ScoreMode(ActionMode):
             # (sharded, the prefix's extra forward would be a collective that other ranks may not run)
             reuse = actor.reuse_prefix and len(todo) > 1 and actor.policy.frozen_cache is None and not sharded
             prefix = shared_prefix(todo) if reuse else 0
-            logprobs = (
-                actor.policy.score(batch, prefix=prefix, candidate_logits=self.candidate_logits).logprobs.float().cpu()
-            )
-            for key, row in zip(part, logprobs, strict=True):
-                scores[key] = row[: len(key[1])]
-        rows = [scores[key] for key in keys]
+            out = actor.policy.score(batch, prefix=prefix, candidate_logits=self.candidate_logits)
+            logprobs, values, features = out.logprobs.float().cpu(), out.values.float().cpu(), out.features.cpu()
+            for i, key in enumerate(part):
+                scores[key] = Scored(logprobs[i, : len(key[1])], values[i], features[i])
+        rows = [scores[key].logprobs for key in keys]
         if greedy:
             chosen = [int(row.argmax()) for row in rows]
         else:
@@ -108,6 +116,28 @@ class ScoreMode(ActionMode):
         chosen = logprobs.gather(1, batch.choice[part][:, None])
         entropy = categorical_entropy(logprobs).unsqueeze(-1)
         return Evaluation(chosen, torch.ones_like(chosen), out.values[inverse], entropy, logprobs)
+
+    def recall(self, memory: dict, turns: list[Turn], batch: ScoreBatch) -> Recalled:
+        """The outputs `choose` remembered for the turns' inputs (`memory`: `actor.memory(self)`, so computed with
+        the current weights): an update's old policy where acting already ran it. Rows whose input is not there
+        (acted before the last weight change, or evicted) are left for the trainer to compute."""
+        found = [memory.get(self.input_key(turn)) for turn in turns]
+        known = torch.tensor([entry is not None for entry in found], dtype=torch.bool)
+        n, width = len(turns), int(batch.num_candidates.max())
+        dists = torch.full((n, width), -math.inf)
+        values, features = torch.zeros(n), None
+        for i, entry in enumerate(found):
+            if entry is None:
+                continue
+            if features is None:
+                features = torch.zeros(n, entry.features.shape[-1])
+            dists[i, : len(entry.logprobs)] = entry.logprobs
+            values[i], features[i] = entry.value, entry.features.float()
+        device = batch.input_ids.device
+        dists = dists.to(device)
+        chosen = dists.gather(1, batch.choice[:, None]).masked_fill(~known.to(device)[:, None], 0.0)
+        features = None if features is None else features.to(device)
+        return Recalled(known.to(device), chosen, values.to(device), dists, features)
 
     def entropy_fraction(self, data: UpdateBatch) -> torch.Tensor:
         """Exact over the candidates, divided by the log of their number (`entropy_fraction`)."""
