@@ -148,7 +148,8 @@ class PPOTrainer:
         data = UpdateBatch(mode, batch, mode.distinct_inputs(turns), mode.action_mask(batch))
         mask = data.mask
         # Shuffles for every epoch are drawn up front: the old log-probs are computed on epoch 0's minibatches,
-        # so the first minibatch repeats that exact forward and its ratio is exactly 1.
+        # so the first minibatch repeats that exact forward and its ratio is exactly 1 (1 up to rounding for the
+        # inputs whose old outputs acting computed, `recall`).
         # Minibatches: a natural step solves over every distinct input at once, so it takes the whole batch; an AdamW
         # step is one small move, so plain steps take several per epoch (generate mode learned with 8-turn ones).
         size = cfg.mini_batch_size or (len(turns) if natural else PLAIN_MINI_BATCH)
