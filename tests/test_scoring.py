@@ -9,6 +9,7 @@ from llamagym.algos.rollout import Episode, Turn, collate, collate_scored
 from llamagym.algos.trainer import PPOTrainer
 from llamagym.config import PPOConfig
 from llamagym.models.policy import Policy
+from tests.envs import YesNoAgent
 
 PROMPTS = [[257, 50, 51, 256, 259], [257, 52, 256, 258, 53, 256, 259]]
 CANDIDATES = [[[60, 61, 256], [70, 256]], [[80, 256], [81, 82, 83, 256], [84, 256]]]
@@ -161,22 +162,8 @@ def test_scoring_within_a_token_budget_gives_the_same_distributions(model, token
 def test_an_update_takes_the_old_outputs_acting_computed_and_runs_only_the_inputs_it_lacks(
     model, tokenizer, lora_config, monkeypatch
 ):
-    from llamagym import Agent
-
-    class Named(Agent):
-        action_names = ["yes", "no"]
-
-        def get_system_prompt(self):
-            return "Answer yes or no."
-
-        def format_observation(self, observation):
-            return f"step {observation}"
-
-        def extract_action(self, response):
-            return 0 if response.startswith("yes") else 1
-
     config = PPOConfig(batch_size=2, min_batch_turns=0, seed=0)
-    agent = Named(model, tokenizer, "cpu", ppo_config=config, lora_config=lora_config, precision="fp32")
+    agent = YesNoAgent(model, tokenizer, "cpu", ppo_config=config, lora_config=lora_config, precision="fp32")
     compared, rows_run = [], []
     score, evaluate = PPOTrainer._score, PPOTrainer._evaluate
 
