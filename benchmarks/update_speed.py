@@ -2,8 +2,11 @@
 
 Each side runs in its own process with its tree first on PYTHONPATH: it plays Blackjack with the embedded model in
 scoring mode until 32 episodes are collected (the same episodes on both sides: acting is seeded), then times
-`trainer.step` on copies of them (`--warmup` untimed, `--updates` timed). The sides alternate `--rounds` times, so
-drift of the machine falls on both; the figure is the ratio of the mean update times.
+`trainer.step` on copies of them (`--warmup` untimed, `--updates` timed). Before each update the batch's inputs are
+scored with the current weights, untimed, as acting scores them in a training loop, and a checkout whose update
+takes the old outputs from acting (`trainer.step(..., acted=)`, 493dd44 and later) is given them: an upper bound on
+what that saves, since in a loop the turns acted before the last update are run again. The sides alternate
+`--rounds` times, so drift of the machine falls on both; the figure is the ratio of the mean update times.
 
     git worktree add /tmp/old <commit>   # or: git archive <commit> | tar -x -C /tmp/old
     python benchmarks/update_speed.py --against /tmp/old
@@ -11,6 +14,7 @@ drift of the machine falls on both; the figure is the ratio of the mean update t
 
 import argparse
 import copy
+import inspect
 import os
 import subprocess
 import sys
@@ -28,6 +32,7 @@ def measure(updates: int, warmup: int, threads: int) -> None:
 
     import llamagym.envs as suite
     from llamagym import PPOConfig, load_model_and_tokenizer
+    from llamagym.algos.modes import MODES
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -54,10 +59,14 @@ def measure(updates: int, warmup: int, threads: int) -> None:
             observations[i] = envs[i].reset(seed=next_seed)[0] if done else results[i][0]
             next_seed += done
     episodes = list(agent.batch[:32])
+    turns = [turn for episode in episodes for turn in episode.turns]
+    recalls = "acted" in inspect.signature(agent.trainer.step).parameters
     seconds = []
     for k in range(warmup + updates):
+        # what acting computes for these inputs with the current weights (untimed; greedy: no random draws)
+        MODES["score"].choose(agent.actor, [t.prompt_ids for t in turns], [t.candidates for t in turns], greedy=True)
         start = time.perf_counter()
-        agent.trainer.step(copy.deepcopy(episodes))
+        agent.trainer.step(copy.deepcopy(episodes), **({"acted": agent.actor.memory} if recalls else {}))
         if k >= warmup:
             seconds.append(time.perf_counter() - start)
     print("SECONDS", sum(len(e.turns) for e in episodes), *seconds, flush=True)
