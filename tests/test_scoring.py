@@ -201,3 +201,47 @@ def test_the_value_refit_makes_remembered_outputs_stale_even_without_a_policy_st
     version = trainer.policy.version
     trainer._refit_value(torch.randn(6, model.config.hidden_size), torch.randn(6))
     assert trainer.policy.version == version + 1
+
+
+def _play_two_episodes(agent) -> dict:
+    """Two 2-turn episodes of distinct observations, so a batch of 2 updates once; the update's stats."""
+    for observations in ([0, 1], [2, 3]):
+        for observation in observations:
+            agent.act(observation)
+            agent.assign_reward(float(observation))
+        stats = agent.terminate_episode()
+    return stats
+
+
+@pytest.mark.parametrize("sft_warm_start", [False, True])
+def test_an_update_leaves_acting_the_outputs_its_trust_region_measured_at_the_new_weights(
+    model, tokenizer, lora_config, sft_warm_start
+):
+    config = PPOConfig(batch_size=2, min_batch_turns=0, seed=0)
+    agent = YesNoAgent(
+        model,
+        tokenizer,
+        "cpu",
+        ppo_config=config,
+        lora_config=lora_config,
+        precision="fp32",
+        sft_warm_start=sft_warm_start,
+    )
+    stats = _play_two_episodes(agent)
+    assert stats["trust/scale"] > 0 and stats["trust/undone"] == 0  # a step was taken and kept
+    memory = agent.actor.memory(MODES["score"])
+    if sft_warm_start:  # the replay's supervised steps moved the weights after the measure: nothing is kept
+        assert stats["sft/loss"] > 0 and memory == {}
+        return
+    assert len(memory) == 4  # every input of the batch, at the weights acting uses now
+    for (prompt, candidates), kept in memory.items():
+        batch = collate_scored([list(prompt)], [[list(c) for c in candidates]], pad_token_id=agent.pad_token_id)
+        fresh = agent.policy.score(batch, candidate_logits=MODES["score"].candidate_logits)
+        torch.testing.assert_close(kept.logprobs, fresh.logprobs[0, : len(candidates)], atol=1e-5, rtol=0)
+        torch.testing.assert_close(kept.value, fresh.values[0], atol=1e-5, rtol=0)  # the refitted head's value
+        torch.testing.assert_close(kept.features, fresh.features[0].float(), atol=1e-5, rtol=0)
+    runs = []
+    score = agent.policy.score
+    agent.policy.score = lambda *args, **kwargs: runs.append(1) or score(*args, **kwargs)
+    agent.act(0)  # an input of the last batch: acting takes what the update left
+    assert runs == []

@@ -36,6 +36,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
+from typing import NamedTuple
 
 import torch
 
@@ -120,6 +121,8 @@ class PPOTrainer:
         self.consecutive_skips = 0  # skipped since the last applied step; the run stops at max_skipped_steps
         self._batch_summary = ""  # the current batch's reward/advantage/KL range, for the skip warning
         self._input_ids: torch.Tensor | None = None  # data-parallel: local distinct input -> id shared by all ranks
+        self._keep = False  # this update's trust-region measures keep their outputs for acting (see `step`)
+        self._measured: _Measured | None = None  # the last measure's outputs, when kept
         distributed.broadcast_(list(policy.trainable_parameters()))  # every rank starts from rank 0's weights
 
     # ---- one update ------------------------------------------------------------------------------------------
@@ -128,7 +131,9 @@ class PPOTrainer:
 
         `acted(mode)` gives the acting memory of the turns' mode (the agent's `Actor.memory`): the old policy's
         outputs acting already computed with the current weights are taken from there (`ActionMode.recall`) and
-        only the other inputs are run again. Not with the base sharded, where every forward is a collective."""
+        only the other inputs are run again; after the update, the outputs the trust region measured at the
+        weights it kept are left there for the next batch's acting (`ActionMode.remember`). Not with the base
+        sharded, where every forward is a collective."""
         cfg, start = self.config, time.perf_counter()
         episodes = [e for e in episodes if e.turns]
         if not episodes:
@@ -161,7 +166,8 @@ class PPOTrainer:
         # 1. old log-probs and values (and, scoring, the old distributions over candidates), reference log-probs
         #    (no grad, dropout off)
         recalled = None
-        if acted is not None and not self.policy.sharded:
+        self._keep, self._measured = acted is not None and not self.policy.sharded, None
+        if self._keep:
             recalled = mode.recall(acted(mode), turns, batch)
         old_logprobs, old_values, old_dists, features = self._score(data, plans[0], reference=False, recalled=recalled)
         if self.kl_controller.value == 0 and not cfg.adaptive_kl:
@@ -236,12 +242,16 @@ class PPOTrainer:
                     stats[key].append(value)
             if early_stopped:
                 break
+        measured, self._measured = self._measured, None  # the last measure's outputs, if at the weights as they are
+        if measured is not None and measured.version != self.policy.version:
+            measured = None
 
         # 5. refit the value head to this batch's returns (its AdamW steps alone barely move it in a few steps)
         if features is not None:
             refit_ev = self._refit_value(distributed.all_gather_cat(features)[0], returns)
             if math.isfinite(refit_ev):  # undefined when every return is equal
                 spread["ppo/value_refit_ev"] = refit_ev
+        refitted = self.policy.version
 
         # 6. adapt the KL coefficient toward its target
         if distributed.is_distributed():
@@ -256,6 +266,15 @@ class PPOTrainer:
             self.replay_modes is None or mode.name in self.replay_modes or bool(self.replay.demos)
         )
         sft_stats = self._sft(episodes) if replaying else {}
+
+        # 8. the trust region's last measure scored the batch's inputs with the weights acting uses next: acting takes
+        #    those outputs (values from the refitted head) instead of scoring the inputs again. Only when nothing but
+        #    the value head changed since (no replay step, no undone step).
+        if measured is not None and self.policy.version == refitted:
+            with torch.no_grad():
+                values = self.policy.value_head(measured.features)
+            rows = measured.rows.tolist()
+            mode.remember(acted(mode), [turns[i] for i in rows], measured.dists, values, measured.features)
 
         self.num_updates += 1
         if self.policy.device.type == "cpu":  # the update's activations are freed: give their pages back
@@ -393,28 +412,44 @@ class PPOTrainer:
         logprobs = torch.zeros_like(data.mask)
         values = torch.zeros(data.batch.input_ids.shape[0], device=logprobs.device)
         dists, features = data.mode.empty_distributions(data.batch), None
-        seen: list[torch.Tensor] = []
         keep = not reference and self.config.value_refit is not None
         if recalled is not None:
             logprobs, values = recalled.logprobs.clone(), recalled.values.clone()
             dists = None if recalled.dists is None else recalled.dists.clone()
             features = recalled.features.clone() if keep and recalled.features is not None else None
             plan = [index[~recalled.known[index]] for index in plan]
-        hook = self.policy.value_head.register_forward_pre_hook(lambda _, args: seen.append(args[0])) if keep else None
         for part in (part for index in plan if len(index) for part in self._micro(groups, index)):
-            mb_logprobs, _, mb_values, _, mb_dists = self._evaluate(data, part, reference=reference)
+            with self._head_inputs(keep) as seen:
+                mb_logprobs, _, mb_values, _, mb_dists = self._evaluate(data, part, reference=reference)
             logprobs[part, : mb_logprobs.shape[1]] = mb_logprobs
             values[part] = mb_values
-            if keep:  # the head saw each distinct input once: spread them back over the part's turns
-                inverse = torch.unique(groups[part], return_inverse=True)[1]
-                if features is None:
-                    features = torch.zeros(len(values), seen[-1].shape[-1], device=logprobs.device)
-                features[part] = seen.pop().float()[inverse]
+            if keep:
+                features = self._spread(features, seen, groups, part, len(values))
             if mb_dists is not None:  # a micro-batch may have fewer candidates than the batch's most
                 dists[part, : mb_dists.shape[1]] = mb_dists
-        if hook is not None:
-            hook.remove()
         return logprobs, values, dists, features
+
+    @contextmanager
+    def _head_inputs(self, active: bool):
+        """Inside the block, a list collecting the value head's input of each forward (nothing unless `active`)."""
+        seen: list[torch.Tensor] = []
+        head = self.policy.value_head
+        hook = head.register_forward_pre_hook(lambda _, args: seen.append(args[0])) if active else None
+        try:
+            yield seen
+        finally:
+            if hook is not None:
+                hook.remove()
+
+    @staticmethod
+    def _spread(features: torch.Tensor | None, seen: list[torch.Tensor], groups, part, rows: int) -> torch.Tensor:
+        """`features` (rows, H; zeros when None) with rows `part` filled from the value head's last input, which
+        had one row per distinct input of the part (`groups`): spread back over the part's turns."""
+        head_input = seen.pop().float()
+        if features is None:
+            features = torch.zeros(rows, head_input.shape[-1], device=head_input.device)
+        features[part] = head_input[torch.unique(groups[part], return_inverse=True)[1]]
+        return features
 
     @torch.no_grad()
     def _refit_value(self, features: torch.Tensor, returns: torch.Tensor) -> float:
@@ -503,8 +538,15 @@ class PPOTrainer:
         by the step, and a stricter test rejected such steps at random, halving the step size each time.
         """
         kls, objective_after, tokens = [], 0.0, distributed.all_reduce(data.mask[index].sum())
+        keep = self._keep and data.old_dists is not None  # a mode with distributions can take them for acting
+        dists = data.mode.empty_distributions(data.batch) if keep else None
+        features: torch.Tensor | None = None
         for part in self._micro(data.groups, index):
-            now = self._evaluate(data, part, with_entropy=bool(self.ent_coef))
+            with self._head_inputs(keep) as seen:
+                now = self._evaluate(data, part, with_entropy=bool(self.ent_coef))
+            if keep:
+                dists[part, : now.dists.shape[1]] = now.dists
+                features = self._spread(features, seen, data.groups, part, len(dists))
             logprobs, part_mask = now.logprobs, now.mask
             old = data.old_logprobs[part, : logprobs.shape[1]]
             kls.append(data.mode.kl(data, part, now))
@@ -514,6 +556,8 @@ class PPOTrainer:
                 objective = objective + self.ent_coef * ppo.masked_mean(now.entropy, part_mask)
             objective_after += float(objective * part_mask.sum() / tokens)
         kl = torch.cat(kls)
+        if keep:
+            self._measured = _Measured(self.policy.version, index, dists[index], features[index])
         if distributed.is_distributed():  # over every rank's turns, so that all ranks keep or undo the same step
             total = distributed.reduce_dict(
                 {
@@ -718,6 +762,15 @@ class PPOTrainer:
             self.entropy_floor.load_state_dict(state["entropy_floor"])
         if self.average is not None and state.get("average") is not None:  # absent before averaging existed
             self.average.load_state_dict(state["average"])
+
+
+class _Measured(NamedTuple):
+    """A trust-region measure's outputs on a minibatch, kept for acting (`ActionMode.remember`)."""
+
+    version: int  # `Policy.version` of the weights measured
+    rows: torch.Tensor  # (M,) the turns measured
+    dists: torch.Tensor  # (M, C) their distributions over the candidates
+    features: torch.Tensor  # (M, H) the value head's inputs (the values follow from the head as it is when used)
 
 
 def distinct_prompts(turns: list[Turn]) -> torch.Tensor:

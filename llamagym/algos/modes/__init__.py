@@ -35,6 +35,9 @@ Training (`Policy` outputs; everything per turn is computed once per distinct in
 - `recall(memory, turns, batch) -> Recalled or None` (optional): the old policy's outputs that acting already
   computed with the current weights and kept in `memory` (its `actor.memory(self)`), so that the update runs only
   the rest; None (the default) computes them all.
+- `remember(memory, turns, dists, values, features)` (optional): keep in `memory` (for `choose`) outputs the
+  trainer computed for `turns`' inputs with the weights acting will use next (the trust region's measure of the
+  accepted step): the next batch's acting then runs only inputs the last batch did not have. The default keeps none.
 
 Class attributes: `name` (its key in `MODES`, recorded on its turns), `takes_candidates` (`choose` needs
 candidate replies: the agent asks its `action_candidates` hook) and `exact_kl` (the KL of `kl` is exact, so
@@ -155,6 +158,14 @@ class ActionMode(ABC):
         """The old policy's outputs for `turns` (collated as `batch`) that acting computed with the current weights
         and kept in `memory` (`actor.memory(self)`), or None when the mode keeps none (then the trainer computes
         them all)."""
+        return None
+
+    def remember(
+        self, memory: dict, turns: list[Turn], dists: torch.Tensor, values: torch.Tensor, features: torch.Tensor
+    ) -> None:
+        """Keep in `memory` (`actor.memory(self)`) the outputs of the current weights on `turns`' inputs, as `choose`
+        would have computed them: the distributions (N, C), values (N,) and the value head's inputs (N, H). The
+        default keeps nothing (acting then computes them when it meets the inputs)."""
         return None
 
     def distinct_inputs(self, turns: list[Turn]) -> torch.Tensor:

@@ -139,6 +139,13 @@ class ScoreMode(ActionMode):
         features = None if features is None else features.to(device)
         return Recalled(known.to(device), chosen, values.to(device), dists, features)
 
+    def remember(self, memory: dict, turns: list[Turn], dists, values, features) -> None:
+        """Each turn's input with its outputs (`Scored`, on the CPU as `choose` keeps them): the next batch's acting
+        takes them instead of scoring the input again."""
+        dists, values, features = dists.float().cpu(), values.float().cpu(), features.cpu()
+        for i, turn in enumerate(turns):
+            memory[self.input_key(turn)] = Scored(dists[i, : len(turn.candidates)], values[i], features[i])
+
     def entropy_fraction(self, data: UpdateBatch) -> torch.Tensor:
         """Exact over the candidates, divided by the log of their number (`entropy_fraction`)."""
         return entropy_fraction(data.old_dists, data.batch.num_candidates)
