@@ -5,7 +5,7 @@ import contextlib
 import pytest
 import torch
 
-from llamagym.algos.rollout import Turn, collate, collate_scored
+from llamagym.algos.rollout import Episode, Turn, collate, collate_scored
 from llamagym.models.policy import Policy
 from llamagym.models.tiny_random import build_tiny_model
 
@@ -122,6 +122,36 @@ def test_a_state_no_forward_used_in_the_last_round_is_dropped_when_the_next_begi
     cache.next_round()
     cache.next_round()
     assert not cache.entries and not cache.used and cache.size == 0
+
+
+def test_a_state_is_kept_through_as_many_rounds_unused_as_asked(tokenizer, lora_config):
+    cached, _ = twin_policies(tokenizer, lora_config)
+    cache = cached.frozen_cache
+    first, second = (collate([Turn(prompt, [60, 256])], pad_token_id=256) for prompt in PROMPTS[:2])
+    with torch.no_grad():
+        cached(*first)  # round 0
+        cache.next_round(keep=3)
+        cached(*second)  # round 1
+        cache.next_round(keep=3)
+        cache.next_round(keep=3)  # the first is unused in rounds 1 and 2, kept for a third
+        assert len(cache.entries) == 2
+        cached(*first)  # round 3: a hit
+        assert cache.hits == 1 and cache.misses == 2
+        cache.next_round(keep=3)
+        cache.next_round(keep=3)  # the second, last used in round 1, is unused in rounds 2-4: dropped
+    assert len(cache.entries) == 1 and cache.used[next(iter(cache.entries))] == 3
+
+
+def test_each_update_starts_a_round_of_its_action_mode(tokenizer, lora_config, monkeypatch):
+    from llamagym.algos.modes import MODES
+    from tests.test_agent import make_agent
+
+    agent = make_agent(build_tiny_model(tokenizer, seed=0), tokenizer, lora_config, lora_layers=1)
+    kept = []
+    monkeypatch.setattr(agent.policy.frozen_cache, "next_round", lambda keep=1: kept.append(keep))
+    turn = Turn(PROMPTS[0], CANDIDATES[0][0], reward=1.0, candidates=CANDIDATES[0], choice=0, mode="score")
+    agent.trainer.step([Episode([turn])])
+    assert kept == [MODES["score"].cache_rounds] and MODES["score"].cache_rounds > MODES["generate"].cache_rounds
 
 
 def test_each_update_starts_a_round_so_generated_inputs_do_not_pile_up(tokenizer, lora_config):

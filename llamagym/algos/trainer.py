@@ -139,10 +139,10 @@ class PPOTrainer:
         if not episodes:
             raise ValueError("PPOTrainer.step() needs at least one episode with a turn.")
         self._anneal()
-        if self.policy.frozen_cache is not None:  # frozen-layer states no forward used since the last update go
-            self.policy.frozen_cache.next_round()
         turns = [turn for episode in episodes for turn in episode.turns]
         mode = mode_of(turns)  # the action mode collates and evaluates the turns (`algos/modes/`)
+        if self.policy.frozen_cache is not None:  # frozen-layer states unused for the mode's rounds go
+            self.policy.frozen_cache.next_round(mode.cache_rounds)
         batch = mode.collate(turns, self.pad_token_id, self.policy.device)
         # Natural steps and the trust region are automatic where the KL is exact (scoring mode, over the candidates).
         # In generate mode the bound is a k3 estimate summed over sampled reply tokens, and in the suite's generate

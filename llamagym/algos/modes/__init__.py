@@ -40,8 +40,9 @@ Training (`Policy` outputs; everything per turn is computed once per distinct in
   accepted step): the next batch's acting then runs only inputs the last batch did not have. The default keeps none.
 
 Class attributes: `name` (its key in `MODES`, recorded on its turns), `takes_candidates` (`choose` needs
-candidate replies: the agent asks its `action_candidates` hook) and `exact_kl` (the KL of `kl` is exact, so
-natural-gradient steps and the trust region are used by default).
+candidate replies: the agent asks its `action_candidates` hook), `exact_kl` (the KL of `kl` is exact, so
+natural-gradient steps and the trust region are used by default) and `cache_rounds` (for how many updates an input's
+frozen-layer states stay cached unused, `FrozenLayerCache.next_round`: more where inputs come back in later batches).
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class ActionMode(ABC):
     name: str = ""
     exact_kl: bool = False
     takes_candidates: bool = False  # `choose` needs candidate replies: the agent asks its `action_candidates` hook
+    cache_rounds: int = 1  # updates an input's frozen-layer states stay cached unused (1: inputs seldom come back)
 
     # ---- acting ----------------------------------------------------------------------------------------------
     @abstractmethod

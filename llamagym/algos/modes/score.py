@@ -34,6 +34,7 @@ class ScoreMode(ActionMode):
     name = "score"
     exact_kl = True
     takes_candidates = True
+    cache_rounds = 4  # a game's observations come back, not in every batch: kept through four updates unused
 
     @staticmethod
     def key(prompt_ids: list[int], candidates: list[list[int]]) -> tuple:
