@@ -132,6 +132,30 @@ def group_seed(run_seed: int, env: int, episode: int, num_envs: int, group_size:
     return run_seed * 1_000_003 + episode * groups + env // group_size
 
 
+def make_agent(game, model, tokenizer, action_space, mode: str, ppo_config, **overrides):
+    """The game's agent on `model`, acting in `mode`, with the game's agent settings and then `overrides`."""
+    kwargs = {**game.agent_kwargs, **overrides}
+    return game.agent_for()(
+        model, tokenizer, action_space=action_space, action_mode=mode, ppo_config=ppo_config, **kwargs
+    )
+
+
+def play_step(agent, envs, observations: list, reset) -> tuple[dict, list[bool]]:
+    """One step of the user's loop over every env: act, step, hand the rewards and ends of episodes to the agent.
+    `observations` is updated in place; a finished env's next one is `reset(i)`. Returns the agent's stats (an
+    update's when the step completed a batch) and which envs finished."""
+    actions = agent.act_batch(observations)
+    results = [env.step(action) for env, action in zip(envs, actions, strict=True)]
+    agent.assign_rewards([r[1] for r in results])
+    dones = [r[2] or r[3] for r in results]
+    stats = agent.end_episodes(
+        dones, truncated=[r[3] and not r[2] for r in results], final_observations=[r[0] for r in results]
+    )
+    for i, done in enumerate(dones):
+        observations[i] = reset(i) if done else results[i][0]
+    return stats, dones
+
+
 def train(game_name: str, mode: str, seed: int, args) -> dict:
     """One run: the user's loop over N envs with the game's agent, exact evaluations on the way."""
     import random
@@ -149,14 +173,8 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
     game = suite.get_game(game_name)
     model, tokenizer = load_model_and_tokenizer(args.model, device="cpu")
     envs = [gym.make(game.env_id) for _ in range(args.num_envs)]
-    agent = game.agent_for()(
-        model,
-        tokenizer,
-        action_space=envs[0].action_space,
-        action_mode=mode,
-        ppo_config=PPOConfig(**{"seed": seed, **args.overrides["ppo"]}),
-        **{**game.agent_kwargs, **args.overrides["agent"]},
-    )
+    ppo_config = PPOConfig(**{"seed": seed, **args.overrides["ppo"]})
+    agent = make_agent(game, model, tokenizer, envs[0].action_space, mode, ppo_config, **args.overrides["agent"])
 
     curve, clock = [], {"train": 0.0, "eval": 0.0, "updates": 0, "episodes": 0}
 
@@ -193,17 +211,7 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
     )
     while clock["train"] < args.budget:
         start = time.perf_counter()
-        actions = agent.act_batch(observations)
-        results = [env.step(action) for env, action in zip(envs, actions, strict=True)]
-        agent.assign_rewards([r[1] for r in results])
-        dones = [r[2] or r[3] for r in results]
-        stats = agent.end_episodes(
-            dones, truncated=[r[3] and not r[2] for r in results], final_observations=[r[0] for r in results]
-        )
-        for i, done in enumerate(dones):
-            observations[i] = results[i][0]
-            if done:
-                observations[i] = reset(i)
+        stats, dones = play_step(agent, envs, observations, reset)
         clock["train"] += time.perf_counter() - start
         clock["episodes"] += sum(dones)
         if "ppo/policy_loss" in stats:

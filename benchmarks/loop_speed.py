@@ -29,6 +29,7 @@ def measure(game_name: str, seed: int, updates: int, threads: int) -> None:
     import gymnasium as gym
     import numpy as np
     import torch
+    from learning_suite import make_agent, play_step  # beside this file
 
     import llamagym.envs as suite
     from llamagym import PPOConfig, load_model_and_tokenizer
@@ -40,35 +41,18 @@ def measure(game_name: str, seed: int, updates: int, threads: int) -> None:
     game = suite.get_game(game_name)
     model, tokenizer = load_model_and_tokenizer("smollm2-135m-instruct", device="cpu")
     envs = [gym.make(game.env_id) for _ in range(16)]
-    agent = game.agent_for()(
-        model,
-        tokenizer,
-        action_space=envs[0].action_space,
-        action_mode="score",
-        ppo_config=PPOConfig(seed=seed),
-        **game.agent_kwargs,
-    )
-    next_seed = seed * 1_000_003
-    observations = []
-    for env in envs:
-        observations.append(env.reset(seed=next_seed)[0])
-        next_seed += 1
+    agent = make_agent(game, model, tokenizer, envs[0].action_space, "score", PPOConfig(seed=seed))
+    seeds = iter(range(seed * 1_000_003, 2**62))  # one fresh seed per episode, in the order episodes start
+
+    def reset(i: int):
+        return envs[i].reset(seed=next(seeds))[0]
+
+    observations = [reset(i) for i in range(len(envs))]
     acting, updating, returns = [], [], []
     loop = 0.0
     while len(updating) < updates:
         start = time.perf_counter()
-        actions = agent.act_batch(observations)
-        results = [env.step(action) for env, action in zip(envs, actions, strict=True)]
-        agent.assign_rewards([r[1] for r in results])
-        dones = [r[2] or r[3] for r in results]
-        stats = agent.end_episodes(
-            dones, truncated=[r[3] and not r[2] for r in results], final_observations=[r[0] for r in results]
-        )
-        for i, done in enumerate(dones):
-            observations[i] = results[i][0]
-            if done:
-                observations[i] = envs[i].reset(seed=next_seed)[0]
-                next_seed += 1
+        stats, _ = play_step(agent, envs, observations, reset)
         loop += time.perf_counter() - start
         if "ppo/policy_loss" in stats:
             updating.append(stats["time/update_s"])

@@ -29,6 +29,7 @@ def measure(updates: int, warmup: int, threads: int) -> None:
     import gymnasium as gym
     import numpy as np
     import torch
+    from learning_suite import make_agent  # beside this file
 
     import llamagym.envs as suite
     from llamagym import PPOConfig, load_model_and_tokenizer
@@ -40,14 +41,8 @@ def measure(updates: int, warmup: int, threads: int) -> None:
     game = suite.get_game("blackjack")
     model, tokenizer = load_model_and_tokenizer("smollm2-135m-instruct", device="cpu")
     envs = [gym.make(game.env_id) for _ in range(16)]
-    agent = game.agent_for()(
-        model,
-        tokenizer,
-        action_space=envs[0].action_space,
-        action_mode="score",
-        ppo_config=PPOConfig(seed=0, batch_size=10**6),  # never trains while collecting
-        **game.agent_kwargs,
-    )
+    never = PPOConfig(seed=0, batch_size=10**6)  # never trains while collecting
+    agent = make_agent(game, model, tokenizer, envs[0].action_space, "score", never)
     observations = [env.reset(seed=i)[0] for i, env in enumerate(envs)]
     next_seed = len(envs)
     while len(agent.batch) < 32:
