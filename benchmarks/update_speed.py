@@ -29,7 +29,7 @@ def measure(updates: int, warmup: int, threads: int) -> None:
     import gymnasium as gym
     import numpy as np
     import torch
-    from learning_suite import make_agent  # beside this file
+    from learning_suite import make_agent, play_step  # beside this file
 
     import llamagym.envs as suite
     from llamagym import PPOConfig, load_model_and_tokenizer
@@ -43,16 +43,14 @@ def measure(updates: int, warmup: int, threads: int) -> None:
     envs = [gym.make(game.env_id) for _ in range(16)]
     never = PPOConfig(seed=0, batch_size=10**6)  # never trains while collecting
     agent = make_agent(game, model, tokenizer, envs[0].action_space, "score", never)
-    observations = [env.reset(seed=i)[0] for i, env in enumerate(envs)]
-    next_seed = len(envs)
+    seeds = iter(range(2**62))  # one fresh seed per episode, in the order episodes start
+
+    def reset(i: int):
+        return envs[i].reset(seed=next(seeds))[0]
+
+    observations = [reset(i) for i in range(len(envs))]
     while len(agent.batch) < 32:
-        results = [env.step(a) for env, a in zip(envs, agent.act_batch(observations), strict=True)]
-        agent.assign_rewards([r[1] for r in results])
-        dones = [r[2] or r[3] for r in results]
-        agent.end_episodes(dones)
-        for i, done in enumerate(dones):
-            observations[i] = envs[i].reset(seed=next_seed)[0] if done else results[i][0]
-            next_seed += done
+        play_step(agent, envs, observations, reset)
     episodes = list(agent.batch[:32])
     turns = [turn for episode in episodes for turn in episode.turns]
     recalls = "acted" in inspect.signature(agent.trainer.step).parameters

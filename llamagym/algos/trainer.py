@@ -121,8 +121,7 @@ class PPOTrainer:
         self.consecutive_skips = 0  # skipped since the last applied step; the run stops at max_skipped_steps
         self._batch_summary = ""  # the current batch's reward/advantage/KL range, for the skip warning
         self._input_ids: torch.Tensor | None = None  # data-parallel: local distinct input -> id shared by all ranks
-        self._keep = False  # this update's trust-region measures keep their outputs for acting (see `step`)
-        self._measured: _Measured | None = None  # the last measure's outputs, when kept
+        self._measured: _Measured | None = None  # the last trust-region measure's outputs, kept for acting (`step`)
         distributed.broadcast_(list(policy.trainable_parameters()))  # every rank starts from rank 0's weights
 
     # ---- one update ------------------------------------------------------------------------------------------
@@ -166,8 +165,9 @@ class PPOTrainer:
         # 1. old log-probs and values (and, scoring, the old distributions over candidates), reference log-probs
         #    (no grad, dropout off)
         recalled = None
-        self._keep, self._measured = acted is not None and not self.policy.sharded, None
-        if self._keep:
+        keep = acted is not None and not self.policy.sharded  # acting's outputs taken, the measured ones handed back
+        self._measured = None
+        if keep:
             recalled = mode.recall(acted(mode), turns, batch)
         old_logprobs, old_values, old_dists, features = self._score(data, plans[0], reference=False, recalled=recalled)
         if self.kl_controller.value == 0 and not cfg.adaptive_kl:
@@ -234,7 +234,7 @@ class PPOTrainer:
                     region.remember()
                 if self._step(stats) and region is not None:
                     before = mb["ppo/surrogate"] + self.ent_coef * mb["ppo/entropy"]
-                    measure = functools.partial(self._measure, data, index, before)
+                    measure = functools.partial(self._measure, data, index, before, keep)
                     for key, value in region.enforce(measure, self._moved).items():
                         stats[f"trust/{key}"].append(value)
                 done += 1
@@ -527,7 +527,7 @@ class PPOTrainer:
         return dict(sums) if finite else None
 
     @torch.no_grad()
-    def _measure(self, data: UpdateBatch, index: torch.Tensor, objective_before: float):
+    def _measure(self, data: UpdateBatch, index: torch.Tensor, objective_before: float, keep: bool = False):
         """How far the policy now is from the batch's old one on rows `index`: the mean and largest KL(old || new)
         per turn (the action mode's `kl`: exact over the candidates when scoring, the k3 estimate summed over the
         reply when generating),
@@ -536,9 +536,11 @@ class PPOTrainer:
 
         "Below" allows 0.1% of the mean |advantage|: under bf16 a tiny step moves log-probs by rounding as much as
         by the step, and a stricter test rejected such steps at random, halving the step size each time.
+
+        With `keep`, a mode with distributions over candidates keeps the outputs measured (`_measured`) for acting.
         """
         kls, objective_after, tokens = [], 0.0, distributed.all_reduce(data.mask[index].sum())
-        keep = self._keep and data.old_dists is not None  # a mode with distributions can take them for acting
+        keep = keep and data.old_dists is not None  # a mode with distributions can take them for acting
         dists = data.mode.empty_distributions(data.batch) if keep else None
         features: torch.Tensor | None = None
         for part in self._micro(data.groups, index):
