@@ -58,6 +58,7 @@ def parse_args(argv=None):
     )
     parser.add_argument("--model", default="smollm2-135m-instruct", help="registry name, hub id or local path")
     parser.add_argument("--threads", type=int, default=2, help="torch threads per run")
+    parser.add_argument("--device", default="cpu", help="cpu (the targets' machine) | cuda | auto")
     parser.add_argument("--ppo", nargs="*", default=[], metavar="KEY=VALUE", help="PPOConfig overrides")
     parser.add_argument("--agent", nargs="*", default=[], metavar="KEY=VALUE", help="Agent(...) overrides")
     parser.add_argument("--output", default="benchmarks/results/learning_suite", help="output folder")
@@ -85,11 +86,16 @@ def parse_args(argv=None):
         parser.error(f"--group-size should be an integer >= 1. Received {args.group_size}.")
     args.overrides = {"ppo": _pairs(parser, "--ppo", args.ppo), "agent": _pairs(parser, "--agent", args.agent)}
     from llamagym import PPOConfig
+    from llamagym.models.devices import resolve_device
 
     try:
         PPOConfig(**args.overrides["ppo"])
     except (TypeError, ValueError) as err:
         parser.error(f"--ppo: {err}")
+    try:
+        resolve_device(args.device)
+    except ValueError as err:
+        parser.error(f"--device: {err}")
     return args
 
 
@@ -171,7 +177,7 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
     np.random.seed(seed)
     torch.manual_seed(seed)
     game = suite.get_game(game_name)
-    model, tokenizer = load_model_and_tokenizer(args.model, device="cpu")
+    model, tokenizer = load_model_and_tokenizer(args.model, device=args.device)
     envs = [gym.make(game.env_id) for _ in range(args.num_envs)]
     ppo_config = PPOConfig(**{"seed": seed, **args.overrides["ppo"]})
     agent = make_agent(game, model, tokenizer, envs[0].action_space, mode, ppo_config, **args.overrides["agent"])
@@ -227,7 +233,12 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
     progress.close()
     final = record()
     s_per_update = float(np.mean(update_s)) if update_s else None
-    return run_record(game, mode, seed, curve, final, clock, invalid_train, s_per_update, log)
+    result = run_record(game, mode, seed, curve, final, clock, invalid_train, s_per_update, log)
+    if model.device.type == "cuda":
+        result.update(
+            device=torch.cuda.get_device_name(model.device), peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30
+        )
+    return result
 
 
 def run_record(game, mode: str, seed: int, curve, final: dict, clock: dict, invalid_train, s_per_update, log) -> dict:
@@ -275,8 +286,10 @@ def _child(connection, game_name, mode, seed, args):
 
 
 def run_in_child(game_name: str, mode: str, seed: int, args) -> dict:
-    """`train` in a fresh child process (forked where possible: the imports are already done)."""
-    context = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    """`train` in a fresh child process (forked where possible: the imports are already done; spawned for a GPU,
+    which a forked child cannot use once a parent touched it)."""
+    fork = args.device == "cpu" and "fork" in mp.get_all_start_methods()
+    context = mp.get_context("fork" if fork else "spawn")
     receive, send = context.Pipe(duplex=False)
     process = context.Process(target=_child, args=(send, game_name, mode, seed, args))
     process.start()
@@ -388,6 +401,7 @@ def main(argv=None):
         "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
         "CPU": f"{cpu_model()} ({os.cpu_count()} cores; {args.threads} torch threads per run; {cpu_precision_note()})",
         "model": args.model,
+        "device": args.device,
         "budget": f"{args.budget:g} training seconds per run, evaluation every {args.eval_every:g} s",
         "envs": args.num_envs,
         "group_size": args.group_size,

@@ -51,6 +51,8 @@ def test_overrides_are_parsed_validated_and_reported():
         learning_suite.parse_args(["--modes", "telepathy"])
     with pytest.raises(SystemExit):
         learning_suite.parse_args(["--group-size", "0"])
+    with pytest.raises(SystemExit):
+        learning_suite.parse_args(["--device", "tpu"])
 
 
 def test_groups_of_envs_share_a_seed_per_episode_and_nothing_else_does():
