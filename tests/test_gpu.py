@@ -1,9 +1,16 @@
-"""The GPU path on one CUDA device: bf16 updates, CPU-equal generation and scoring, 4-bit QLoRA, checkpointing.
+"""The GPU path on one CUDA device: bf16 updates, CPU-equal generation and scoring, 4-bit QLoRA, checkpointing, and
+every suite game trained through the user's loop in both action modes.
 
 Every test here skips without CUDA (CI has none); run them on a GPU machine with `pytest tests/test_gpu.py`. The
 4-bit test also needs bitsandbytes (`pip install -r requirements/linux.txt`). Models are the tiny random Llama,
 so nothing is downloaded.
 """
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,3 +136,19 @@ def test_a_4bit_tiny_model_loads_and_takes_an_update(tmp_path, tokenizer):
     after = dict(policy.named_parameters())
     assert any(not torch.equal(after[name], p) for name, p in before.items() if "lora_" in name)
     assert all(torch.equal(m.weight, w) for m, w in zip(quantized, packed, strict=True))  # the base stays put
+
+
+def test_suite_games_train_on_cuda_in_both_modes(tmp_path):
+    """The user's loop on the GPU (`learning_suite.py --quick --device cuda`, two games of different shapes):
+    acting, acting's memory handed to the update, the trust region and the evaluations, which unit tests on the CPU
+    cannot show keep to one device."""
+    root = Path(__file__).resolve().parents[1]
+    games = ["guess_number", "tictactoe"]
+    cmd = [sys.executable, "benchmarks/learning_suite.py", "--quick", "--device", "cuda", "--output", str(tmp_path)]
+    cmd += ["--games", ",".join(games)]
+    done = subprocess.run(cmd, cwd=root, env={**os.environ}, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert [r.get("error") for r in runs] == [None] * len(runs), [r.get("error") for r in runs]
+    assert {(r["game"], r["mode"]) for r in runs} == {(g, m) for g in games for m in ("score", "generate")}
+    assert all(r["updates"] > 0 and r["device"] == torch.cuda.get_device_name() for r in runs)

@@ -417,7 +417,7 @@ class PPOTrainer:
             logprobs, values = recalled.logprobs.clone(), recalled.values.clone()
             dists = None if recalled.dists is None else recalled.dists.clone()
             features = recalled.features.clone() if keep and recalled.features is not None else None
-            plan = [index[~recalled.known[index]] for index in plan]
+            plan = [index[~recalled.known[index].to(index.device)] for index in plan]  # plans are on the CPU
         for part in (part for index in plan if len(index) for part in self._micro(groups, index)):
             with self._head_inputs(keep) as seen:
                 mb_logprobs, _, mb_values, _, mb_dists = self._evaluate(data, part, reference=reference)
