@@ -9,6 +9,7 @@ Quick check (about a minute, tiny random model):  python benchmarks/learning_sui
 The benchmark (hours at the default budget):       python benchmarks/learning_suite.py
 An experiment (overrides are printed and saved):   python benchmarks/learning_suite.py --games rooms \
                                                        --modes score --ppo mini_batch_size=4096 --agent lora_layers=8
+On a GPU (the targets are set on 2 CPU cores; runs side by side share it well):  ... --device cuda
 
 Writes `--output`/results.json (after every run, with each update's statistics), results.md (the table),
 <game>.png (normalised score against training time, one line per mode and seed) and
