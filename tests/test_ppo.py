@@ -188,6 +188,37 @@ def test_token_logprobs_gradients_in_chunks_are_exact(with_entropy):
     assert_close(mine.grad, plain.grad)
 
 
+def test_token_logprobs_golden_values_of_tokens_sharing_a_row():
+    logits = torch.tensor([[0.0, math.log(3.0)]])  # probabilities (0.25, 0.75)
+    logprobs, _ = token_logprobs(logits, torch.tensor([1, 0]), rows=torch.tensor([0, 0]))
+    assert_close(logprobs, torch.tensor([math.log(0.75), math.log(0.25)]))
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_token_logprobs_of_shared_rows_equal_those_of_repeated_rows(with_entropy):
+    """Tokens predicted at one position share its row: values and gradients as if the row were repeated."""
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(4, 7, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    rows = torch.tensor([2, 0, 2, 2, 3, 0])  # row 1 predicts nothing
+    tokens = torch.randint(0, 7, (6,), generator=g)
+
+    def shared(x):
+        out = token_logprobs(x, tokens, 0.7, with_entropy, chunk=3, rows=rows)
+        return out if with_entropy else out[0]
+
+    assert torch.autograd.gradcheck(shared, (logits,))
+    weights = torch.randn(2, 6, generator=g, dtype=torch.float64)
+    repeated, mine = logits.detach().clone().requires_grad_(), logits.detach().clone().requires_grad_()
+    ref = token_logprobs(repeated[rows], tokens, 0.7, True, chunk=3)
+    out = token_logprobs(mine, tokens, 0.7, True, chunk=3, rows=rows)
+    (weights[0] @ ref[0] + weights[1] @ ref[1]).backward()
+    (weights[0] @ out[0] + weights[1] @ out[1]).backward()
+    assert_close(out[0], ref[0])
+    assert_close(out[1], ref[1])
+    assert_close(mine.grad, repeated.grad)
+    assert mine.grad[1].abs().max() == 0
+
+
 def test_token_logprobs_keeps_only_the_logits_given_for_the_backward_pass():
     logits = torch.randn(6, 50, dtype=torch.bfloat16, requires_grad=True)
     saved = []

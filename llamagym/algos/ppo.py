@@ -31,7 +31,12 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 
 
 def token_logprobs(
-    logits: Tensor, tokens: Tensor, temperature: float = 1.0, with_entropy: bool = False, chunk: int = 64
+    logits: Tensor,
+    tokens: Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk: int = 64,
+    rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """`logprobs_from_logits` and `entropy_from_logits` of softmax(logits / temperature), for a backward pass that
     keeps only the logits as given (bf16 under autocast) instead of several float32 copies of them.
@@ -42,48 +47,64 @@ def token_logprobs(
     log-sum-exp: d log π(t)/dz = onehot(t) - p, dH/dz = -p (log p + H), each divided by the temperature.
 
     Args:
-        logits: (N, V), any float dtype. tokens: (N,) integer ids.
+        logits: (U, V), any float dtype.
+        tokens: (N,) integer ids.
+        rows: (N,) the row of `logits` each token is predicted from, when tokens share rows (the first tokens of a
+            scored state's candidates are all predicted at its last prompt token): each row's vocabulary-wide work
+            is then done once. None: token k from row k (U = N).
     Returns:
         (N,) float32 log-probabilities, and (N,) float32 entropies or None (float64 for float64 logits).
+
+    Example: logits [[0, log 3]] at rows (0, 0) for tokens (1, 0): log-probs (log 0.75, log 0.25).
     """
-    logprobs, entropy = _TokenLogprobs.apply(logits, tokens, float(temperature), bool(with_entropy), int(chunk))
+    if rows is None:
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+    logprobs, entropy = _TokenLogprobs.apply(logits, tokens, rows, float(temperature), bool(with_entropy), int(chunk))
     return logprobs, entropy if with_entropy else None
 
 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, tokens, temperature, with_entropy, chunk):
-        n, work = logits.shape[0], torch.promote_types(logits.dtype, torch.float32)  # float64 stays float64
-        logprobs, lse = logits.new_empty(n, dtype=work), logits.new_empty(n, dtype=work)
-        entropy = logits.new_empty(n if with_entropy else 0, dtype=work)
-        for rows in _chunks(n, chunk):
-            z = logits[rows].to(work)
+    def forward(ctx, logits, tokens, rows, temperature, with_entropy, chunk):
+        u, work = logits.shape[0], torch.promote_types(logits.dtype, torch.float32)  # float64 stays float64
+        lse = logits.new_empty(u, dtype=work)
+        entropy = logits.new_empty(u if with_entropy else 0, dtype=work)
+        for part in _chunks(u, chunk):
+            z = logits[part].to(work)
             z = z / temperature if temperature != 1.0 else z
-            lse[rows] = torch.logsumexp(z, dim=-1)
-            logprobs[rows] = z.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1) - lse[rows]
+            lse[part] = torch.logsumexp(z, dim=-1)
             if with_entropy:
-                logp = z - lse[rows].unsqueeze(-1)
-                entropy[rows] = -(logp.exp() * logp).sum(-1)
-        ctx.save_for_backward(logits, tokens, lse, entropy)
+                logp = z - lse[part].unsqueeze(-1)
+                entropy[part] = -(logp.exp() * logp).sum(-1)
+        picked = logits[rows, tokens].to(work)
+        logprobs = (picked / temperature if temperature != 1.0 else picked) - lse[rows]
+        ctx.save_for_backward(logits, tokens, rows, lse, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
+        entropy_out = entropy[rows] if with_entropy else entropy
         if not with_entropy:
-            ctx.mark_non_differentiable(entropy)
-        return logprobs, entropy
+            ctx.mark_non_differentiable(entropy_out)
+        return logprobs, entropy_out
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        logits, tokens, lse, entropy = ctx.saved_tensors
+        logits, tokens, rows, lse, entropy = ctx.saved_tensors
+        u, work = logits.shape[0], lse.dtype
+        grad_logprobs = grad_logprobs.to(work)
+        # a row's gradient: its tokens' one-hots, less its softmax times the sum of their gradients
+        weight = lse.new_zeros(u).index_add_(0, rows, grad_logprobs)
+        weight_h = lse.new_zeros(u).index_add_(0, rows, grad_entropy.to(work)) if entropy.numel() else None
         grad = torch.empty_like(logits)  # autograd passes zeros, not None, for an output that was not used
-        for rows in _chunks(logits.shape[0], ctx.chunk):
-            z = logits[rows].to(lse.dtype)
-            logp = (z / ctx.temperature if ctx.temperature != 1.0 else z) - lse[rows].unsqueeze(-1)
+        for part in _chunks(u, ctx.chunk):
+            z = logits[part].to(work)
+            logp = (z / ctx.temperature if ctx.temperature != 1.0 else z) - lse[part].unsqueeze(-1)
             p = logp.exp()
-            g = -p * grad_logprobs[rows].unsqueeze(-1)
-            g.scatter_add_(-1, tokens[rows].unsqueeze(-1), grad_logprobs[rows].unsqueeze(-1))
-            if entropy.numel():
-                g -= grad_entropy[rows].unsqueeze(-1) * p * (logp + entropy[rows].unsqueeze(-1))
-            grad[rows] = (g / ctx.temperature if ctx.temperature != 1.0 else g).to(grad.dtype)
-        return grad, None, None, None, None
+            g = -p * weight[part].unsqueeze(-1)
+            mine = (rows >= part.start) & (rows < part.start + z.shape[0])
+            g.index_put_((rows[mine] - part.start, tokens[mine]), grad_logprobs[mine], accumulate=True)
+            if weight_h is not None:
+                g -= weight_h[part].unsqueeze(-1) * p * (logp + entropy[part].unsqueeze(-1))
+            grad[part] = (g / ctx.temperature if ctx.temperature != 1.0 else g).to(grad.dtype)
+        return grad, None, None, None, None, None
 
 
 def _chunks(n: int, size: int) -> list[slice]:

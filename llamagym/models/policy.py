@@ -267,13 +267,16 @@ class Policy(nn.Module):
         self, hidden, full_logits, rows, positions, targets, reference: bool, temperature=1.0, with_entropy=False
     ):
         """Log-probs of `targets` predicted at (rows, positions) at `temperature` (and the entropy there, or None),
-        running the LM head on those positions only; a backward pass keeps only their logits (`ppo.token_logprobs`)."""
+        running the LM head on those positions only, once per position (a scored state's candidates all predict
+        their first token at its last prompt token); a backward pass keeps only their logits (`ppo.token_logprobs`)."""
+        where, shared = torch.unique(rows * hidden.shape[1] + positions, return_inverse=True)
+        rows, positions = where // hidden.shape[1], where % hidden.shape[1]
         if full_logits is not None:
             logits = full_logits[rows, positions]
         else:
             with self.autocast():
                 logits = self.causal_lm(reference).get_output_embeddings()(hidden[rows, positions])
-        return ppo.token_logprobs(logits, targets, temperature, with_entropy, LOGIT_ROWS)
+        return ppo.token_logprobs(logits, targets, temperature, with_entropy, LOGIT_ROWS, rows=shared)
 
     def forward(
         self,
