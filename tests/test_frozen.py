@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from llamagym.algos.rollout import Episode, Turn, collate, collate_scored
+from llamagym.models.frozen_cache import shared_prefix
 from llamagym.models.policy import Policy
 from llamagym.models.tiny_random import build_tiny_model
 
@@ -164,3 +165,57 @@ def test_each_update_starts_a_round_so_generated_inputs_do_not_pile_up(tokenizer
         play(agent, CountingEnv(length=2), episodes=2)  # one update on freshly sampled replies
         assert cache.round == update and min(cache.used.values()) >= update - 1  # this update's inputs, the last's
     assert len(cache.entries) < cache.misses  # the earlier updates' inputs are gone
+
+
+def test_shared_prefix_counts_the_first_tokens_every_row_sees_alike():
+    ids = torch.tensor([[1, 2, 3, 4, 5], [1, 2, 3, 9, 9], [1, 2, 3, 4, 0]])
+    mask2d = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])
+    assert shared_prefix(ids, mask2d, None, [5, 5, 4]) == 3
+    assert shared_prefix(ids[:1], mask2d[:1], None, [5]) == 0  # one row: nothing to share
+    assert shared_prefix(ids[[0, 2]], mask2d[[0, 2]], None, [5, 4]) == 3  # each row keeps a token of its own
+    assert shared_prefix(ids, mask2d, torch.tensor([[0, 1, 2, 3, 4]] * 2 + [[0, 1, 5, 6, 7]]), [5, 5, 4]) == 2
+    packed = collate_scored([[1, 2, 3], [1, 2, 3]], [[[7], [8]], [[9]]], pad_token_id=0)  # equal prompts
+    assert shared_prefix(packed.input_ids, packed.attention_mask, packed.position_ids, [5, 4]) == 3
+    assert not packed.attention_mask[0, 0, 4, 3]  # candidate 2 does not see candidate 1, so neither is shared
+    loose = packed.attention_mask.clone()
+    loose[1, 0, 1, 3] = True  # row 1's second token looks ahead: only its first is shared
+    assert shared_prefix(packed.input_ids, loose, packed.position_ids, [5, 4]) == 1
+
+
+def adapted_tokens(policy) -> list[int]:
+    """Tokens run through the adapted (top) layer by each forward, recorded by a hook."""
+    seen = []
+    layer = policy.causal_lm().get_decoder().layers[policy.frozen_cache.start]
+    layer.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[0] * args[0].shape[1]))
+    return seen
+
+
+def test_without_gradient_rows_run_their_shared_first_tokens_once_with_the_same_outputs(tokenizer, lora_config):
+    cached, plain = twin_policies(tokenizer, lora_config)
+    prompts = [[257, 50, 51, 52, 53, 256, 259, 40 + i] for i in range(4)]  # 7 shared tokens, then their own
+    batch = collate_scored(prompts, [[[60, 61, 256], [70, 256]]] * 4, pad_token_id=256)
+    seen = adapted_tokens(cached)
+    with torch.no_grad():
+        out, ref = cached.score(batch), plain.score(batch)
+    assert cached.frozen_cache.share_prefix
+    assert seen == [7, 4 * (batch.input_ids.shape[1] - 7)]  # the prefix once, then each row's rest
+    torch.testing.assert_close(out.logprobs, ref.logprobs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.values, ref.values, atol=1e-5, rtol=1e-5)
+    turns = [Turn(p, [60 + i, 256]) for i, p in enumerate(prompts)]  # a 2D mask: generated replies, right-padded
+    turns[0] = Turn(prompts[0] + [30, 31], [60, 61, 62, 256])
+    rows = collate(turns, pad_token_id=256)
+    with torch.no_grad():
+        mine = cached(rows.input_ids, rows.attention_mask, rows.response_mask, value_index=rows.value_index)
+        theirs = plain(rows.input_ids, rows.attention_mask, rows.response_mask, value_index=rows.value_index)
+    assert seen[-1] == 4 * (rows.input_ids.shape[1] - 7)
+    torch.testing.assert_close(mine.logprobs, theirs.logprobs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-5)
+
+
+def test_with_gradient_every_row_runs_whole_so_each_input_has_its_own_gradient(tokenizer, lora_config):
+    cached, _ = twin_policies(tokenizer, lora_config)
+    prompts = [[257, 50, 51, 52, 53, 256, 259, 40 + i] for i in range(4)]
+    batch = collate_scored(prompts, [[[60, 61, 256], [70, 256]]] * 4, pad_token_id=256)
+    seen = adapted_tokens(cached)
+    cached.score(batch).values.sum().backward()
+    assert seen == [4 * batch.input_ids.shape[1]]

@@ -74,8 +74,8 @@ class ScoreMode(ActionMode):
                 pad_token_id=actor.pad_token_id,
                 device=actor.policy.device,
             )
-            # the frozen-layer cache already skips the shared layers: the prefix KV reuse would go unused
-            # (sharded, the prefix's extra forward would be a collective that other ranks may not run)
+            # with the frozen-layer cache, the cache runs the rows' shared first tokens once itself; sharded, the
+            # prefix's extra forward would be a collective that other ranks may not run
             reuse = actor.reuse_prefix and len(todo) > 1 and actor.policy.frozen_cache is None and not sharded
             prefix = shared_prefix(todo) if reuse else 0
             out = actor.policy.score(batch, prefix=prefix, candidate_logits=self.candidate_logits)
