@@ -1,5 +1,5 @@
 """The GPU path on one CUDA device: bf16 updates, CPU-equal generation and scoring, 4-bit QLoRA, checkpointing, and
-every suite game trained through the user's loop in both action modes.
+two suite games trained through the user's loop in both action modes.
 
 Every test here skips without CUDA (CI has none); run them on a GPU machine with `pytest tests/test_gpu.py`. The
 4-bit test also needs bitsandbytes (`pip install -r requirements/linux.txt`). Models are the tiny random Llama,
@@ -7,7 +7,6 @@ so nothing is downloaded.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -146,7 +145,7 @@ def test_suite_games_train_on_cuda_in_both_modes(tmp_path):
     games = ["guess_number", "tictactoe"]
     cmd = [sys.executable, "benchmarks/learning_suite.py", "--quick", "--device", "cuda", "--output", str(tmp_path)]
     cmd += ["--games", ",".join(games)]
-    done = subprocess.run(cmd, cwd=root, env={**os.environ}, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert [r.get("error") for r in runs] == [None] * len(runs), [r.get("error") for r in runs]
