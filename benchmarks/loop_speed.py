@@ -11,15 +11,11 @@ drift of the machine falls on both; the figures are the ratios of the mean times
     python benchmarks/loop_speed.py --against /tmp/old --game guess_number
 """
 
-import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from side_by_side import ROOT, cpu_line, parse, parser, run_side  # beside this file
 
 
 def measure(game_name: str, seed: int, updates: int, threads: int) -> None:
@@ -63,33 +59,19 @@ def measure(game_name: str, seed: int, updates: int, threads: int) -> None:
 
 
 def side(tree: Path, args) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    cmd = [sys.executable, __file__, "--child", "--game", args.game, "--seed", str(args.seed)]
-    cmd += ["--updates", str(args.updates), "--threads", str(args.threads)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-    line = next(line for line in out.stdout.splitlines() if line.startswith("RESULT"))
-    return json.loads(line.split(" ", 1)[1])
+    arguments = ["--game", args.game, "--seed", str(args.seed), "--updates", str(args.updates)]
+    return json.loads(run_side(__file__, tree, [*arguments, "--threads", str(args.threads)], "RESULT"))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--against", type=Path, help="the other checkout's root (holding llamagym/)")
-    parser.add_argument("--game", default="guess_number", help="a suite game (llamagym.envs.suite)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=2, help="times each side runs, alternating")
-    parser.add_argument("--updates", type=int, default=6, help="updates (batches) per run")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    p = parser(__doc__)
+    p.add_argument("--game", default="guess_number", help="a suite game (llamagym.envs.suite)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--updates", type=int, default=6, help="updates (batches) per run")
+    args = parse(p)
     if args.child:
         return measure(args.game, args.seed, args.updates, args.threads)
-    if args.against is None or not (args.against / "llamagym").is_dir():
-        parser.error("--against should name another checkout's root, the folder that holds its llamagym/.")
-    from learning_suite import cpu_model  # beside this file
-
-    from llamagym.models.devices import cpu_precision_note
-
-    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, {args.threads} torch threads, {cpu_precision_note()}")
+    print(cpu_line(args.threads))
     print(f"{args.game}, seed {args.seed}, {args.updates} batches per run; seconds per batch, acting | updating")
     times = {name: {"acting": [], "updating": []} for name in ("this", "other")}
     for _ in range(args.rounds):

@@ -12,16 +12,12 @@ what that saves, since in a loop the turns acted before the last update are run 
     python benchmarks/update_speed.py --against /tmp/old
 """
 
-import argparse
 import copy
 import inspect
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from side_by_side import ROOT, cpu_line, parse, parser, run_side  # beside this file
 
 
 def measure(updates: int, warmup: int, threads: int) -> None:
@@ -66,32 +62,19 @@ def measure(updates: int, warmup: int, threads: int) -> None:
 
 
 def side(tree: Path, args) -> tuple[int, list[float]]:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    cmd = [sys.executable, __file__, "--child", "--updates", str(args.updates), "--warmup", str(args.warmup)]
-    out = subprocess.run([*cmd, "--threads", str(args.threads)], env=env, capture_output=True, text=True, check=True)
-    line = next(line for line in out.stdout.splitlines() if line.startswith("SECONDS"))
-    turns, *seconds = line.split()[1:]
+    arguments = ["--updates", str(args.updates), "--warmup", str(args.warmup), "--threads", str(args.threads)]
+    turns, *seconds = run_side(__file__, tree, arguments, "SECONDS").split()
     return int(turns), [float(s) for s in seconds]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--against", type=Path, help="the other checkout's root (holding llamagym/)")
-    parser.add_argument("--rounds", type=int, default=2, help="times each side runs, alternating")
-    parser.add_argument("--updates", type=int, default=5, help="timed updates per run")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed updates per run first")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    p = parser(__doc__)
+    p.add_argument("--updates", type=int, default=5, help="timed updates per run")
+    p.add_argument("--warmup", type=int, default=3, help="untimed updates per run first")
+    args = parse(p)
     if args.child:
         return measure(args.updates, args.warmup, args.threads)
-    if args.against is None or not (args.against / "llamagym").is_dir():
-        parser.error("--against should name another checkout's root, the folder that holds its llamagym/.")
-    from learning_suite import cpu_model  # beside this file
-
-    from llamagym.models.devices import cpu_precision_note
-
-    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, {args.threads} torch threads, {cpu_precision_note()}")
+    print(cpu_line(args.threads))
     times = {"this": [], "other": []}
     for _ in range(args.rounds):
         for name, tree in (("other", args.against), ("this", ROOT)):
