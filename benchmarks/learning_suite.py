@@ -70,6 +70,13 @@ def parse_args(argv=None):
         help="trl: TRL's GRPOTrainer through llamagym.integrations.trl (mode generate-trl; pip install -e .[trl]); "
         "both: each game through both, same budget",
     )
+    parser.add_argument(
+        "--also-average",
+        default="",
+        metavar="H[,H...]",
+        help="also evaluate greedy policies of the adapter averaged over these numbers of updates, on the same run "
+        "(curve: avg<H>_normalised; compares PPOConfig.average_updates without training twice)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny model, 1 seed, 3 s per run: checks it all works")
     args = parser.parse_args(argv)
     if args.quick:
@@ -77,6 +84,12 @@ def parse_args(argv=None):
         args.output = args.output if args.output != parser.get_default("output") else args.output + "_quick"
     args.games = list(suite.GAMES) if args.games == "all" else [suite.get_game(g).name for g in args.games.split(",")]
     args.modes = args.modes.split(",")
+    try:
+        args.also_average = [int(h) for h in args.also_average.split(",") if h.strip()]
+    except ValueError:
+        parser.error(f"--also-average takes comma-separated integers >= 1. Received {args.also_average!r}.")
+    if any(h < 1 for h in args.also_average):
+        parser.error(f"--also-average takes comma-separated integers >= 1. Received {args.also_average}.")
     bad = [m for m in args.modes if m not in ("score", "generate")]
     if bad:
         parser.error(f"--modes should name score and/or generate. Received {', '.join(bad)}.")
@@ -172,6 +185,7 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
     from tqdm import tqdm
 
     from llamagym import PPOConfig, load_model_and_tokenizer
+    from llamagym.algos.averaging import WeightAverage
 
     torch.set_num_threads(args.threads)
     random.seed(seed)
@@ -184,6 +198,7 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
     agent = make_agent(game, model, tokenizer, envs[0].action_space, mode, ppo_config, **args.overrides["agent"])
 
     curve, clock = [], {"train": 0.0, "eval": 0.0, "updates": 0, "episodes": 0}
+    also = {h: WeightAverage(agent.trainer.lm_params, h) for h in args.also_average}  # --also-average
 
     def record():
         start = time.perf_counter()
@@ -195,6 +210,10 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
             with agent.trainer.latest_weights():
                 latest = suite.evaluate(game, agent)
             point.update(latest_normalised=latest["normalised"], latest_score=latest["score"])
+        for horizon, other in also.items():
+            if other.mean is not None:
+                with agent.trainer.greedy_average(other):
+                    point[f"avg{horizon}_normalised"] = suite.evaluate(game, agent)["normalised"]
         clock["eval"] += time.perf_counter() - start
         curve.append(point)
         return figures
@@ -223,6 +242,8 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
         clock["episodes"] += sum(dones)
         if "ppo/policy_loss" in stats:
             clock["updates"] += 1
+            for other in also.values():
+                other.update()
             update_s.append(stats["time/update_s"])
             invalid_train.append(stats["agent/batch_invalid_action_rate"])
             log.append({"train": clock["train"], **{key: stats[key] for key in LOGGED if key in stats}})

@@ -93,3 +93,24 @@ def test_an_evaluation_lends_the_average_once_for_all_its_chunks(model, tokenize
     assert agent.policy.version == version + 4
     for p, before in zip(agent.trainer.average.params, weights, strict=True):
         torch.testing.assert_close(p.detach(), before, atol=0, rtol=0)  # the latest weights are back
+
+
+def test_greedy_average_lends_another_average_for_greedy_acting_and_gives_the_trainers_back(
+    model, tokenizer, lora_config
+):
+    agent = trained(model, tokenizer, lora_config)
+    own = agent.trainer.average
+    latest = WeightAverage(own.params, horizon=1)  # kept by the caller: after every update, the latest weights
+    latest.update()
+    scores = agent.actor.memory(MODES["score"])
+    agent.predict([0], greedy=False)
+    (sampled,) = (scored.logprobs for scored in scores.values())
+    with agent.trainer.greedy_average(latest):
+        assert agent.trainer.average is latest
+        agent.predict([0])
+        (lent,) = (scored.logprobs for scored in scores.values())
+    torch.testing.assert_close(lent, sampled)  # an average over one update is the latest weights
+    assert agent.trainer.average is own
+    agent.predict([0])
+    (greedy,) = (scored.logprobs for scored in scores.values())
+    assert not torch.allclose(greedy, sampled)  # the trainer's own average is back

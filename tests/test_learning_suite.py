@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_quick_suite_trains_and_evaluates_every_game_in_both_modes(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "benchmarks/learning_suite.py", "--quick", "--threads", "1", "--output", str(tmp_path)]
+    cmd += ["--also-average", "2"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
@@ -27,6 +28,7 @@ def test_quick_suite_trains_and_evaluates_every_game_in_both_modes(tmp_path):
         assert run["peak_rss_gib"] > 0 and run["final_figures"]["random"] < run["final_figures"]["optimal"]
         if run["updates"]:  # greedy acting uses the averaged adapter: the latest weights are evaluated beside it
             assert run["final_latest"] == run["curve"][-1]["latest_normalised"]
+            assert run["curve"][-1]["avg2_normalised"] <= 1.0  # and the average over 2 (--also-average)
     table = (tmp_path / "results.md").read_text()
     assert "| game | mode | seed | before | best | final | latest |" in table and "model: tiny-random" in table
     assert all((tmp_path / f"{game}.png").stat().st_size > 0 for game in suite.GAMES)
@@ -53,6 +55,11 @@ def test_overrides_are_parsed_validated_and_reported():
         learning_suite.parse_args(["--group-size", "0"])
     with pytest.raises(SystemExit):
         learning_suite.parse_args(["--device", "tpu"])
+    assert learning_suite.parse_args(["--also-average", "3,5"]).also_average == [3, 5]
+    assert learning_suite.parse_args([]).also_average == []
+    for bad in ("0", "three"):
+        with pytest.raises(SystemExit):
+            learning_suite.parse_args(["--also-average", bad])
 
 
 def test_groups_of_envs_share_a_seed_per_episode_and_nothing_else_does():

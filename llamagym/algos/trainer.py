@@ -332,11 +332,19 @@ class PPOTrainer:
     @contextmanager
     def latest_weights(self):
         """Inside this block greedy acting uses the latest weights, not their average (to compare the two)."""
-        average, self.average = self.average, None
+        with self.greedy_average(None):
+            yield
+
+    @contextmanager
+    def greedy_average(self, average: WeightAverage | None):
+        """Inside this block greedy acting uses `average` (a `WeightAverage` of this adapter's parameters, kept up
+        to date by the caller; None = the latest weights) instead of the trainer's own: to compare averages on one
+        training run. Training is unaffected."""
+        own, self.average = self.average, average
         try:
             yield
         finally:
-            self.average = average
+            self.average = own
 
     # ---- pieces ----------------------------------------------------------------------------------------------
     def _anneal(self) -> None:
