@@ -20,6 +20,7 @@ once would mix them.
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -94,9 +95,7 @@ class FrozenLayerCache:
         if attention_mask.dim() == 2:  # the rest's queries see the prefix, themselves causally, and no padding
             causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()[prefix:]
             attention_mask = (causal[None] & attention_mask.bool()[:, None, :])[:, None]
-        full = self.decoder.layers
-        self.decoder.layers = nn.ModuleList(list(full)[self.start :])
-        try:
+        with self._layers(slice(self.start, None)):
             head = self.decoder(
                 inputs_embeds=hidden[:1, :prefix],
                 position_ids=position_ids[:1, :prefix],
@@ -113,27 +112,33 @@ class FrozenLayerCache:
                 use_cache=True,
                 cache_position=torch.arange(prefix, length, device=device),
             ).last_hidden_state
-        finally:
-            self.decoder.layers = full
         return torch.cat([head.last_hidden_state.expand(rows, -1, -1), rest], dim=1)
 
     def _run(self, layers: slice, attention_mask, position_ids, rows, **inputs) -> torch.Tensor:
         """The decoder with only `layers`: the states entering the final norm (bottom) or the last hidden states."""
         if position_ids is not None and rows is not None:
             position_ids = position_ids[rows]
-        full = self.decoder.layers
         captured = {}
         hook = None
         if layers.start == 0:  # the bottom part: keep what enters the final norm, i.e. leaves layer start - 1
             hook = self.decoder.norm.register_forward_pre_hook(lambda module, args: captured.setdefault("h", args[0]))
-        self.decoder.layers = nn.ModuleList(list(full)[layers])
         try:
-            out = self.decoder(**inputs, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+            with self._layers(layers):
+                out = self.decoder(**inputs, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
         finally:
-            self.decoder.layers = full
             if hook is not None:
                 hook.remove()
         return captured["h"] if hook is not None else out.last_hidden_state
+
+    @contextmanager
+    def _layers(self, layers: slice):
+        """Inside this block the decoder runs only `layers` of its layer list (restored after, on error too)."""
+        full = self.decoder.layers
+        self.decoder.layers = nn.ModuleList(list(full)[layers])
+        try:
+            yield
+        finally:
+            self.decoder.layers = full
 
     def _put(self, key: bytes, state: torch.Tensor) -> None:
         self.entries[key], self.used[key] = state, self.round
@@ -228,7 +233,10 @@ def probe(cache: FrozenLayerCache, vocab_size: int) -> bool:
             cache.hits = cache.misses = 0
         return bool(torch.allclose(plain[real].float(), split[real].float(), atol=1e-4, rtol=1e-4))
 
-    plain = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    try:
+        plain = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    except Exception:  # a decoder this probe cannot run plainly: no cache
+        return False
     if not matches(share=False):
         return False
     cache.share_prefix = matches(share=True)
