@@ -231,6 +231,8 @@ CASES = [
         ValueError, "`kl_estimator` should be one of k1, k2, k3. Received 'k4'."),
     row("config-unknown-advantage-scale", lambda c: PPOConfig(advantage_scale="rank"),
         ValueError, "`advantage_scale` should be one of batch, returns, none. Received 'rank'."),
+    row("config-repeated-input-power-above-one", lambda c: PPOConfig(repeated_input_power=1.5),
+        ValueError, "`repeated_input_power` should be in the interval [0, 1]. Received 1.5."),
     row("config-max-kl-zero", lambda c: PPOConfig(max_kl=0),
         ValueError, "`max_kl` should be None (no trust region) or a number > 0. Received 0."),
     row("config-max-kl-generate-not-bool", lambda c: PPOConfig(max_kl_generate=1),

@@ -32,6 +32,7 @@ SPLIT = 5  # rank 0's episodes; rank 1 gets the rest
 CONFIGS = {
     "score-natural": (True, {}),
     "generate-adamw-grpo": (False, {"mini_batch_size": 1000, "advantage": "grpo"}),
+    "score-natural-repeats": (True, {"repeated_input_power": 0.5}),  # each input's turns counted over both ranks
 }
 
 

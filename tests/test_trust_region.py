@@ -107,6 +107,14 @@ def test_trust_region_backtracks_a_step_until_it_fits_and_undoes_one_that_never_
     torch.testing.assert_close(w.detach(), start)  # undone
 
 
+def test_repeated_input_weights_golden_values():
+    groups = torch.tensor([0, 0, 0, 0, 1, 2, 2])  # input 0 met in four turns, input 1 in one, input 2 in two
+    torch.testing.assert_close(ppo.repeated_input_weights(groups, 0.0), torch.ones(7))
+    half = torch.tensor([0.5, 0.5, 0.5, 0.5, 1.0, 2**-0.5, 2**-0.5])
+    torch.testing.assert_close(ppo.repeated_input_weights(groups, 0.5), half)
+    torch.testing.assert_close(ppo.repeated_input_weights(groups, 1.0), torch.tensor([0.25] * 4 + [1.0, 0.5, 0.5]))
+
+
 def test_running_moments_match_numpy_over_chunks():
     values = np.random.default_rng(0).normal(3.0, 2.0, size=100)
     moments = ppo.RunningMoments()
@@ -170,6 +178,28 @@ def update_kl(model, lora_config, tokenizer, rewards, history=(), turns=1, **ove
     stats = trainer.step(scored_episodes(rewards, [0, 1, 0, 1, 0, 1], turns))
     count = torch.tensor([len(c) for c in CANDIDATES])
     return float(relative_kl(before, distributions(trainer.policy), count).mean()), stats
+
+
+def per_input_kl_after_one_update(lora_config, tokenizer, power: float) -> torch.Tensor:
+    """KL(before || after) per bit of choice of each of the three inputs after one natural update on a batch where
+    input 0 is met in four turns and inputs 1 and 2 in one each (every turn's reply says what was better)."""
+    met = [(0, 0, 1.0), (0, 1, 0.0), (0, 0, 1.0), (0, 1, 0.0), (1, 0, 1.0), (2, 1, 0.0)]  # (input, choice, reward)
+    episodes = [Episode([Turn(PROMPTS[i], CANDIDATES[i][k], r, candidates=CANDIDATES[i], choice=k)]) for i, k, r in met]
+    config = PPOConfig(natural_gradient=True, natural_step=0.5, max_kl=None, repeated_input_power=power)
+    torch.manual_seed(0)  # the same adapter's random start for every power
+    policy = Policy(build_tiny_model(tokenizer, seed=0), lora_config, precision="fp32")
+    trainer = PPOTrainer(policy, config, tokenizer.pad_token_id)
+    before = distributions(policy)
+    trainer.step(episodes)
+    return relative_kl(before, distributions(trainer.policy), torch.tensor([len(c) for c in CANDIDATES]))
+
+
+def test_repeated_input_power_shrinks_the_move_of_an_input_met_in_many_turns(lora_config, tokenizer):
+    plain = per_input_kl_after_one_update(lora_config, tokenizer, 0.0)
+    equal = per_input_kl_after_one_update(lora_config, tokenizer, 1.0)
+    assert float(plain.min()) > 0 and float(equal.min()) > 0  # every input moved
+    # the input met four times holds most of the plain step; weighed as one input, it holds less of it
+    assert float(equal[0] / equal.sum()) < 0.5 * float(plain[0] / plain.sum())
 
 
 @pytest.mark.parametrize("scale", ["batch", "returns"])

@@ -205,6 +205,8 @@ class PPOTrainer:
         invalid = torch.tensor([not t.valid for t in turns], device=local.device)
         spread["adv/invalid_capped"] = float((invalid & (local > 0)).sum()) / len(turns)
         local = torch.where(invalid, local.clamp(max=0.0), local)
+        if cfg.repeated_input_power:  # scaled after the estimator: the weights shrink what a turn moves, not its return
+            local = local * self._repeated_input_weights(data.groups, cfg.repeated_input_power)
         self._batch_summary = (
             f"batch of {len(turns)} turns: mean reward {float(env_rewards.mean()):.4g}, advantages in "
             f"[{float(advantages.min()):.4g}, {float(advantages.max()):.4g}], kl/ref {float(kl_ref.mean()):.4g}"
@@ -582,6 +584,15 @@ class PPOTrainer:
             return total["kl"] / total["turns"], kl_max, total["objective"] >= objective_before - tolerance
         tolerance = 1e-3 * float(data.advantages[index].abs().mean()) + 1e-7
         return float(kl.mean()), float(kl.max()), objective_after >= objective_before - tolerance
+
+    def _repeated_input_weights(self, groups: torch.Tensor, power: float) -> torch.Tensor:
+        """This rank's turns' `ppo.repeated_input_weights`, counting each input's turns over every rank (data-parallel:
+        by the ids all ranks share, so a rank's weights are those one process would give its turns)."""
+        if self._input_ids is None:
+            return ppo.repeated_input_weights(groups, power).to(groups.device)
+        shared, sizes = distributed.all_gather_cat(self._input_ids.to(groups.device)[groups])
+        start = sum(sizes[: distributed.rank()])
+        return ppo.repeated_input_weights(shared, power)[start : start + len(groups)]
 
     def _entropy_bonus(self, data: UpdateBatch, equal: bool) -> dict[str, float]:
         """Set this update's entropy bonus weight `ent_coef`: the configured one plus the entropy floor's, adapted to
