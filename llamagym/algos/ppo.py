@@ -296,7 +296,7 @@ def scale_advantages(advantages: Tensor, how: str, returns_std: float) -> Tensor
 
 
 def repeated_input_weights(groups: Tensor, power: float) -> Tensor:
-    """(N,) weight of each turn: n**-power, n the number of turns whose model input is its own (equal ids in `groups`).
+    """(N,) weight of each turn: n**-power, n the number of turns with the same model input (equal ids in `groups`).
 
     0 weighs every turn alike. A state met in many turns (the first state of every episode of a game) otherwise
     carries a target that many times the size of a state met once: its sampling noise alone can move what shared

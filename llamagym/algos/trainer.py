@@ -589,7 +589,7 @@ class PPOTrainer:
         """This rank's turns' `ppo.repeated_input_weights`, counting each input's turns over every rank (data-parallel:
         by the ids all ranks share, so a rank's weights are those one process would give its turns)."""
         if self._input_ids is None:
-            return ppo.repeated_input_weights(groups, power).to(groups.device)
+            return ppo.repeated_input_weights(groups, power)
         shared, sizes = distributed.all_gather_cat(self._input_ids.to(groups.device)[groups])
         start = sum(sizes[: distributed.rank()])
         return ppo.repeated_input_weights(shared, power)[start : start + len(groups)]
