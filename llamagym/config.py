@@ -73,8 +73,9 @@ class PPOConfig:
         "returns"  # whitening divides by: "batch" (this batch's advantage std), "returns" (the std of
     )
     # every return seen so far: a batch of equal returns stays near 0 instead of becoming unit noise), or "none"
-    repeated_input_power: float = 0.0  # each turn's advantage x n**-power, n the batch's turns with its model input
-    # (ppo.repeated_input_weights): 0 = every turn alike, 0.5 = each input equal noise, 1 = each input equal weight
+    repeated_input_power: float | None = None  # each turn's advantage x n**-power, n the batch's turns with its model
+    # input (ppo.repeated_input_weights): 0 = every turn alike, 0.5 = each input equal noise, 1 = each input equal
+    # weight; None = 0.5 in scoring mode, 0 in generate mode (where it was not measured)
     max_kl: float | None = 0.02  # trust region: backtrack each step until the mean KL(old || new) per turn <= this
     # (scoring mode: per bit of choice, i.e. divided by log2 of the input's number of candidates)
     max_kl_generate: bool = False  # also bound generated replies (a noisy k3 estimate; scoring mode is always bound)
@@ -133,7 +134,7 @@ class PPOConfig:
                 "max_grad_norm": positive,
                 "whiten_advantages": (lambda v: isinstance(v, bool), "True or False"),
                 "advantage_scale": (lambda v: v in ADVANTAGE_SCALES, f"one of {', '.join(ADVANTAGE_SCALES)}"),
-                "repeated_input_power": unit,
+                "repeated_input_power": (lambda v: v is None or unit[0](v), "None or a number in the interval [0, 1]"),
                 "max_kl": (lambda v: v is None or (_num(v) and v > 0), "None (no trust region) or a number > 0"),
                 "max_kl_generate": (lambda v: isinstance(v, bool), "True or False"),
                 "kl_coef": non_negative,

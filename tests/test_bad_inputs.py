@@ -232,7 +232,7 @@ CASES = [
     row("config-unknown-advantage-scale", lambda c: PPOConfig(advantage_scale="rank"),
         ValueError, "`advantage_scale` should be one of batch, returns, none. Received 'rank'."),
     row("config-repeated-input-power-above-one", lambda c: PPOConfig(repeated_input_power=1.5),
-        ValueError, "`repeated_input_power` should be in the interval [0, 1]. Received 1.5."),
+        ValueError, "`repeated_input_power` should be None or a number in the interval [0, 1]. Received 1.5."),
     row("config-max-kl-zero", lambda c: PPOConfig(max_kl=0),
         ValueError, "`max_kl` should be None (no trust region) or a number > 0. Received 0."),
     row("config-max-kl-generate-not-bool", lambda c: PPOConfig(max_kl_generate=1),

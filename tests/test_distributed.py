@@ -30,9 +30,9 @@ from tests.test_update_pinned import episodes
 
 SPLIT = 5  # rank 0's episodes; rank 1 gets the rest
 CONFIGS = {
-    "score-natural": (True, {}),
+    "score-natural": (True, {}),  # repeated inputs weighed less, their turns counted over both ranks
     "generate-adamw-grpo": (False, {"mini_batch_size": 1000, "advantage": "grpo"}),
-    "score-natural-repeats": (True, {"repeated_input_power": 0.5}),  # each input's turns counted over both ranks
+    "score-natural-turns-alike": (True, {"repeated_input_power": 0.0}),  # (the default weighs repeated inputs less)
 }
 
 

@@ -242,7 +242,10 @@ def test_repeated_inputs_are_computed_once_with_the_same_update(model, lora_conf
         if not share:  # every turn its own input: the action modes' `distinct_inputs` numbers them 0..N-1
             monkeypatch.setattr(ActionMode, "distinct_inputs", lambda self, turns: torch.arange(len(turns)))
         torch.manual_seed(0)  # the same LoRA and value-head initialisation in both runs
-        trainer = make_trainer(build_tiny_model(tokenizer, seed=0), lora_config, tokenizer, mini_batch_size=7)
+        # every turn alike: weighing repeated inputs down (scoring's default) reads the very ids this test hides
+        trainer = make_trainer(
+            build_tiny_model(tokenizer, seed=0), lora_config, tokenizer, mini_batch_size=7, repeated_input_power=0.0
+        )
         rows = []
         forward = trainer.policy.score if scored else trainer.policy.forward
         counting = lambda batch, *a, **k: rows.append(batch.input_ids.shape[0]) or forward(batch, *a, **k)  # noqa: E731

@@ -54,6 +54,7 @@ from .trust_region import TrustRegion
 
 logger = logging.getLogger(__name__)
 PLAIN_MINI_BATCH = 8  # turns per AdamW step when `mini_batch_size` is None
+SCORED_REPEATED_INPUT_POWER = 0.5  # `repeated_input_power` when None, in scoring mode (generate mode: 0)
 PLAIN_EPOCHS = 2  # passes over the batch with AdamW (or minibatched natural) steps when `ppo_epochs` is None
 
 
@@ -205,8 +206,11 @@ class PPOTrainer:
         invalid = torch.tensor([not t.valid for t in turns], device=local.device)
         spread["adv/invalid_capped"] = float((invalid & (local > 0)).sum()) / len(turns)
         local = torch.where(invalid, local.clamp(max=0.0), local)
-        if cfg.repeated_input_power:  # scaled after the estimator: the weights shrink what a turn moves, not its return
-            local = local * self._repeated_input_weights(data.groups, cfg.repeated_input_power)
+        power = cfg.repeated_input_power
+        if power is None:  # measured in scoring mode only (docs/learning-that-holds.md, eighteenth session)
+            power = SCORED_REPEATED_INPUT_POWER if mode.name == "score" else 0.0
+        if power:  # scaled after the estimator: the weights shrink what a turn moves, not its return
+            local = local * self._repeated_input_weights(data.groups, power)
         self._batch_summary = (
             f"batch of {len(turns)} turns: mean reward {float(env_rewards.mean()):.4g}, advantages in "
             f"[{float(advantages.min()):.4g}, {float(advantages.max()):.4g}], kl/ref {float(kl_ref.mean()):.4g}"
