@@ -9,7 +9,8 @@ What one action, one reward and one value are (docs/design.md §3):
    return with its group's (episodes with the same first prompt, or the same `Episode.group`). The value head
    still learns their returns-to-go (its loss and refit run as ever), though they do not read it.
 5. The turn's advantage is broadcast over its response tokens in a masked clipped PPO loss (a token mean, or
-   `PPOConfig.loss_aggregation`; clip-higher with `clip_coef_high`).
+   `PPOConfig.loss_aggregation`; clip-higher with `clip_coef_high`). Scoring, it is first weighed by 1/sqrt(n) when
+   n of the batch's turns share its model input (`PPOConfig.repeated_input_power`).
 
 Two KLs, never mixed up: `kl_ref` (policy vs reference, in the reward, adaptive coefficient) and `approx_kl`
 (new vs old policy within an update, for target-KL early stopping, checked before each optimizer step).
