@@ -149,11 +149,13 @@ def make_agent(args) -> BlackjackAgent:
             natural_step=args.natural_step,
             natural_damping=args.natural_damping,
             anneal_updates=math.ceil(args.episodes / args.batch_size) if args.anneal else 0,
-            # the README's measured runs: batch whitening, no trust region, the greedy policy of the latest weights
-            # (the library's defaults now add all three; this example is not re-measured with them yet)
+            # the README's measured runs: batch whitening, no trust region, the greedy policy of the latest weights,
+            # every turn weighed alike (the library's defaults now change all four; this example is not re-measured
+            # with them yet)
             max_kl=None,
             advantage_scale="batch",
             average_updates=0,
+            repeated_input_power=0.0,
         ),
         replay_config=ReplayConfig(min_return=1.0),  # imitate won hands only
         generation_config={"max_new_tokens": args.max_new_tokens},
