@@ -194,11 +194,13 @@ def make_agent(args) -> TextWorldAgent:
             adaptive_kl=args.kl_coef > 0,
             ent_coef=args.ent_coef,
             seed=args.seed,
-            # the settings of the README's measured run: plain PPO steps, batch whitening, no trust region (the
-            # library's defaults now add natural steps and a trust region; this example is not re-measured yet)
+            # the settings of the README's measured run: plain PPO steps, batch whitening, no trust region, every
+            # turn weighed alike (the library's defaults now add natural steps, a trust region and repeated inputs
+            # weighed down; this example is not re-measured yet)
             natural_gradient=False,
             max_kl=None,
             advantage_scale="batch",
+            repeated_input_power=0.0,
         ),
         action_mode="score",
         precision=args.precision,
