@@ -198,7 +198,7 @@ def test_repeated_input_power_shrinks_the_move_of_an_input_met_in_many_turns(lor
     plain = per_input_kl_after_one_update(lora_config, tokenizer, 0.0)
     equal = per_input_kl_after_one_update(lora_config, tokenizer, 1.0)
     assert float(plain.min()) > 0 and float(equal.min()) > 0  # every input moved
-    # the input met four times holds most of the plain step; weighed as one input, it holds less of it
+    # the input met four times holds the largest share of the plain step; weighed as one input, far less of it
     assert float(equal[0] / equal.sum()) < 0.5 * float(plain[0] / plain.sum())
 
 
