@@ -75,7 +75,7 @@ class PPOConfig:
     # every return seen so far: a batch of equal returns stays near 0 instead of becoming unit noise), or "none"
     repeated_input_power: float | None = None  # each turn's advantage x n**-power, n the batch's turns with its model
     # input (ppo.repeated_input_weights): 0 = every turn alike, 0.5 = each input equal noise, 1 = each input equal
-    # weight; None = 0.5 in scoring mode, 0 in generate mode (where it was not measured)
+    # weight; None = the action mode's `repeated_input_power` (scoring 0.5; generate 0, where it was not measured)
     max_kl: float | None = 0.02  # trust region: backtrack each step until the mean KL(old || new) per turn <= this
     # (scoring mode: per bit of choice, i.e. divided by log2 of the input's number of candidates)
     max_kl_generate: bool = False  # also bound generated replies (a noisy k3 estimate; scoring mode is always bound)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llamagym.algos import ppo
-from llamagym.algos.modes.score import relative_kl
+from llamagym.algos.modes.score import ScoreMode, relative_kl
 from llamagym.algos.rollout import Episode, Turn, collate_scored
 from llamagym.algos.trainer import PPOTrainer
 from llamagym.algos.trust_region import TrustRegion, categorical_kl, next_start, step_scale
@@ -202,9 +202,14 @@ def test_repeated_input_power_shrinks_the_move_of_an_input_met_in_many_turns(lor
     assert float(equal[0] / equal.sum()) < 0.5 * float(plain[0] / plain.sum())
 
 
-def test_repeated_input_power_is_a_half_when_scoring_and_off_when_generating_by_default(lora_config, tokenizer):
+def test_repeated_input_power_is_a_half_when_scoring_and_off_when_generating_by_default(
+    lora_config, tokenizer, monkeypatch
+):
     default = per_input_kl_after_one_update(lora_config, tokenizer, None)
     assert torch.equal(default, per_input_kl_after_one_update(lora_config, tokenizer, 0.5))
+    monkeypatch.setattr(ScoreMode, "repeated_input_power", 1.0)  # None reads the mode's own value
+    pinned = per_input_kl_after_one_update(lora_config, tokenizer, 1.0)
+    assert torch.equal(per_input_kl_after_one_update(lora_config, tokenizer, None), pinned)
     generated = [
         Episode([Turn(p, c[0], float(i % 3), candidates=None)])
         for i, (p, c) in enumerate(zip(PROMPTS * 3, CANDIDATES * 3, strict=True))

@@ -9,8 +9,8 @@ What one action, one reward and one value are (docs/design.md §3):
    return with its group's (episodes with the same first prompt, or the same `Episode.group`). The value head
    still learns their returns-to-go (its loss and refit run as ever), though they do not read it.
 5. The turn's advantage is broadcast over its response tokens in a masked clipped PPO loss (a token mean, or
-   `PPOConfig.loss_aggregation`; clip-higher with `clip_coef_high`). Scoring, it is first weighed by 1/sqrt(n) when
-   n of the batch's turns share its model input (`PPOConfig.repeated_input_power`).
+   `PPOConfig.loss_aggregation`; clip-higher with `clip_coef_high`). It is first weighed by n**-power when n of the
+   batch's turns share its model input (`PPOConfig.repeated_input_power`, by default the mode's: 1/sqrt(n) scoring).
 
 Two KLs, never mixed up: `kl_ref` (policy vs reference, in the reward, adaptive coefficient) and `approx_kl`
 (new vs old policy within an update, for target-KL early stopping, checked before each optimizer step).
@@ -55,7 +55,6 @@ from .trust_region import TrustRegion
 
 logger = logging.getLogger(__name__)
 PLAIN_MINI_BATCH = 8  # turns per AdamW step when `mini_batch_size` is None
-SCORED_REPEATED_INPUT_POWER = 0.5  # `repeated_input_power` when None, in scoring mode (generate mode: 0)
 PLAIN_EPOCHS = 2  # passes over the batch with AdamW (or minibatched natural) steps when `ppo_epochs` is None
 
 
@@ -207,9 +206,7 @@ class PPOTrainer:
         invalid = torch.tensor([not t.valid for t in turns], device=local.device)
         spread["adv/invalid_capped"] = float((invalid & (local > 0)).sum()) / len(turns)
         local = torch.where(invalid, local.clamp(max=0.0), local)
-        power = cfg.repeated_input_power
-        if power is None:  # measured in scoring mode only (docs/learning-that-holds.md, eighteenth session)
-            power = SCORED_REPEATED_INPUT_POWER if mode.name == "score" else 0.0
+        power = mode.repeated_input_power if cfg.repeated_input_power is None else cfg.repeated_input_power
         if power:  # scaled after the estimator: the weights shrink what a turn moves, not its return
             local = local * self._repeated_input_weights(data.groups, power)
         self._batch_summary = (

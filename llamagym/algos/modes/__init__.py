@@ -41,8 +41,10 @@ Training (`Policy` outputs; everything per turn is computed once per distinct in
 
 Class attributes: `name` (its key in `MODES`, recorded on its turns), `takes_candidates` (`choose` needs
 candidate replies: the agent asks its `action_candidates` hook), `exact_kl` (the KL of `kl` is exact, so
-natural-gradient steps and the trust region are used by default) and `cache_rounds` (for how many updates an input's
-frozen-layer states stay cached unused, `FrozenLayerCache.next_round`: more where inputs come back in later batches).
+natural-gradient steps and the trust region are used by default), `cache_rounds` (for how many updates an input's
+frozen-layer states stay cached unused, `FrozenLayerCache.next_round`: more where inputs come back in later batches)
+and `repeated_input_power` (`PPOConfig.repeated_input_power` when that is None: how much the turns of an input met
+many times in a batch are weighed down; 0, every turn alike, unless measured otherwise for the mode).
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ class ActionMode(ABC):
     exact_kl: bool = False
     takes_candidates: bool = False  # `choose` needs candidate replies: the agent asks its `action_candidates` hook
     cache_rounds: int = 1  # updates an input's frozen-layer states stay cached unused (1: inputs seldom come back)
+    repeated_input_power: float = 0.0  # `PPOConfig.repeated_input_power` when it is None (measured per mode)
 
     # ---- acting ----------------------------------------------------------------------------------------------
     @abstractmethod

@@ -35,6 +35,7 @@ class ScoreMode(ActionMode):
     exact_kl = True
     takes_candidates = True
     cache_rounds = 4  # a game's observations come back, not in every batch: kept through four updates unused
+    repeated_input_power = 0.5  # a frequent state's turns weigh 1/sqrt(count) each (docs/learning-that-holds.md)
 
     @staticmethod
     def key(prompt_ids: list[int], candidates: list[list[int]]) -> tuple:
