@@ -84,7 +84,7 @@ def test_scored_turns_train_with_ratio_exactly_one_on_the_first_minibatch(model,
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_reusing_the_shared_prefix_cache_equals_the_uncached_forward(model, lora_config, precision):
-    from llamagym.algos.modes.score import shared_prefix
+    from llamagym.models.prefill import shared_prefix
 
     prompts = [[257, 50, 51, 52, 256, 258, 60, 256, 259], [257, 50, 51, 52, 256, 258, 61, 62, 63, 256, 259]]
     candidates = [CANDIDATES[0], CANDIDATES[1]]
@@ -101,7 +101,7 @@ def test_reusing_the_shared_prefix_cache_equals_the_uncached_forward(model, lora
 
 
 def test_shared_prefix_leaves_every_prompt_its_last_token():
-    from llamagym.algos.modes.score import shared_prefix
+    from llamagym.models.prefill import shared_prefix
 
     assert shared_prefix([[1, 2, 3], [1, 2, 3]]) == 2
     assert shared_prefix([[1, 2, 3], [1, 9, 3]]) == 1

@@ -40,7 +40,7 @@ class Actor:
         self.eos_ids = eos_ids
         self.generation = generation
         self._candidate_cache: dict[str, list[int]] = {}
-        self.reuse_prefix = True  # score the prompts' common prefix once per step (see Policy.score)
+        self.reuse_prefix = True  # run the prompts' shared first tokens once per step (Policy.score, Policy.prefill)
         self.score_cache_size = 65536  # distinct scored inputs remembered between weight updates
         # candidate tokens per scoring forward: each costs a vocabulary-wide row of logits (49k floats for SmolLM2),
         # so 64 prompts x 21 candidates in one pass took arithmetic's evaluation from 0.95 to 2.85 GiB

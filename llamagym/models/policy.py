@@ -31,10 +31,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..algos import ppo
-from ..algos.rollout import ScoreBatch
+from ..algos.rollout import ScoreBatch, left_pad
 from . import checkpointing
 from .devices import resolve_precision
 from .frozen_cache import FrozenLayerCache, frozen_prefix_layers, probe
+from .prefill import Prefilled, prefill
 from .registry import GENERIC_SPEC, ModelSpec
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -357,6 +358,15 @@ class Policy(nn.Module):
             generation_kwargs.setdefault("synced_gpus", True)
         with self.autocast():
             return self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **generation_kwargs)
+
+    def prefill(self, prompts: list[list[int]], pad_token_id: int) -> Prefilled:
+        """The rows of `prompts` for `generate` and a KV cache of their tokens, each distinct prompt run once and
+        their shared first tokens once for all (`prefill.prefill`); no cache when sharded (each forward is a
+        collective the other ranks would have to join)."""
+        if self.sharded:
+            return Prefilled(*left_pad(prompts, pad_token_id, self.device), None)
+        with self.autocast():
+            return prefill(self.causal_lm().get_decoder(), prompts, pad_token_id, self.device)
 
     # ---- persistence -----------------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> None:

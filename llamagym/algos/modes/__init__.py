@@ -71,7 +71,7 @@ class Acting(Protocol):
     pad_token_id: int
     eos_ids: set[int]  # tokens that end a reply
     generation: dict  # sampling settings: max_new_tokens, temperature
-    reuse_prefix: bool  # scoring: compute the prompts' common prefix once per forward
+    reuse_prefix: bool  # run the prompts' shared first tokens once per forward (generating: each distinct prompt once)
     score_tokens: int  # scoring: candidate tokens per forward (each costs a vocabulary-wide row of logits)
     score_cache_size: int  # scoring: distinct inputs remembered between weight updates
 

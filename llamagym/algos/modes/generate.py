@@ -22,9 +22,13 @@ class GenerateMode(ActionMode):
     takes_candidates = False
 
     def choose(self, actor, prompts, candidates=None, greedy=False) -> list[Choice]:
-        """One reply per prompt, sampled (or greedy) in one left-padded `generate` call, cut after the first
-        end-of-turn token (`actor.generation`: max_new_tokens, temperature)."""
-        input_ids, attention_mask = left_pad(prompts, actor.pad_token_id, actor.policy.device)
+        """One reply per prompt, sampled (or greedy) in one `generate` call, cut after the first end-of-turn token
+        (`actor.generation`: max_new_tokens, temperature). With `actor.reuse_prefix` the prompts' tokens are run
+        once per distinct prompt, their shared first tokens once for all (`Policy.prefill`)."""
+        if actor.reuse_prefix:
+            input_ids, attention_mask, cache = actor.policy.prefill(prompts, actor.pad_token_id)
+        else:
+            (input_ids, attention_mask), cache = left_pad(prompts, actor.pad_token_id, actor.policy.device), None
         config = sampling_config(
             actor.generation["max_new_tokens"],
             actor.generation["temperature"],
@@ -32,7 +36,7 @@ class GenerateMode(ActionMode):
             actor.pad_token_id,
             actor.eos_ids,
         )
-        output = actor.policy.generate(input_ids, attention_mask, generation_config=config)
+        output = actor.policy.generate(input_ids, attention_mask, generation_config=config, past_key_values=cache)
         rows = output[:, input_ids.shape[1] :].tolist()
         return [Choice(row[: reply_length(row, actor.eos_ids)]) for row in rows]
 

@@ -17,6 +17,7 @@ import torch
 
 from ... import distributed
 from ...models.policy import length_normalised
+from ...models.prefill import shared_prefix
 from ..rollout import ScoreBatch, Turn, UpdateBatch, collate_scored
 from ..trust_region import categorical_kl
 from . import ActionMode, Choice, Evaluation, Recalled
@@ -207,13 +208,3 @@ def token_chunks(items: list, size: Callable[[Any], int], budget: int) -> list[l
         chunks[-1].append(item)
         total += n
     return chunks
-
-
-def shared_prefix(prompts: list[list[int]]) -> int:
-    """Length of the token prefix all prompts share, leaving each at least its last token (where V is read)."""
-    limit = min(len(p) for p in prompts) - 1
-    first = prompts[0]
-    for i in range(limit):
-        if any(p[i] != first[i] for p in prompts):
-            return i
-    return max(limit, 0)
