@@ -219,3 +219,21 @@ def test_with_gradient_every_row_runs_whole_so_each_input_has_its_own_gradient(t
     seen = adapted_tokens(cached)
     cached.score(batch).values.sum().backward()
     assert seen == [4 * batch.input_ids.shape[1]]
+
+
+def test_the_frozen_layers_run_new_rows_shared_first_tokens_once_with_gradient_or_not(tokenizer, lora_config):
+    cached, plain = twin_policies(tokenizer, lora_config)
+    prompts = [[257, 50, 51, 52, 53, 256, 259, 40 + i] for i in range(4)]  # 7 shared tokens, then their own
+    rows = collate([Turn(p, [60 + i, 61, 256]) for i, p in enumerate(prompts)], pad_token_id=256)
+    seen = []
+    frozen = cached.causal_lm().get_decoder().layers[0]
+    frozen.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[0] * args[0].shape[1]))
+    mine = cached(rows.input_ids, rows.attention_mask, rows.response_mask, value_index=rows.value_index)
+    assert seen == [7, 4 * (rows.input_ids.shape[1] - 7)]  # the prefix once, then each row's rest
+    with torch.no_grad():
+        theirs = plain(rows.input_ids, rows.attention_mask, rows.response_mask, value_index=rows.value_index)
+    torch.testing.assert_close(mine.logprobs, theirs.logprobs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-5)
+    mine.logprobs.sum().backward()  # the adapted layers above still give every row its own gradient
+    adapter = [p for name, p in cached.model.named_parameters() if "lora_" in name]
+    assert adapter and all(p.grad is not None and p.grad.abs().sum() > 0 for p in adapter)

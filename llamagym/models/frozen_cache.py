@@ -10,11 +10,11 @@ The split runs the decoder twice with its layer list cut (`layers[:start]`, then
 states as `inputs_embeds`), so the model's own mask and rotary code is used unchanged. `probe` checks the split
 against a plain forward once per model; an architecture where it does not match simply runs without the cache.
 
-Without gradient (acting, the trust region's measures, old and reference outputs), rows that begin with the same
-tokens (the system prompt, in every game) run them through the adapted layers once: their keys and values are
+Rows that begin with the same tokens (the system prompt, in every game) run them once: their keys and values are
 repeated over the rows, and each row runs only its own tokens (`shared_prefix`, 40-55% of a suite game's tokens).
-With gradient every row runs whole: the natural-gradient step needs each input's own gradient, and a prefix run
-once would mix them.
+The frozen layers do so for the new rows of every forward; the adapted layers only without gradient (acting, the
+trust region's measures, old and reference outputs): with gradient every row runs them whole, since the
+natural-gradient step needs each input's own gradient, and a prefix run once would mix them.
 """
 
 from __future__ import annotations
@@ -68,9 +68,11 @@ class FrozenLayerCache:
             self.used[key] = self.round
         if missing:
             rows = torch.tensor(missing, device=input_ids.device)
-            bottom = self._run(
-                slice(0, self.start), attention_mask[rows], position_ids, rows, input_ids=input_ids[rows]
-            )
+            mask, positions = attention_mask[rows], None if position_ids is None else position_ids[rows]
+            shared = 0  # the frozen layers never train: shared first tokens run them once, with gradient or not
+            if self.share_prefix:
+                shared = shared_prefix(input_ids[rows], mask, positions, [lengths[i] for i in missing])
+            bottom = self._run(slice(0, self.start), mask, positions, shared, input_ids=input_ids[rows])
             for k, i in enumerate(missing):  # a copy: a view would keep the whole padded batch alive, unaccounted
                 states[keys[i]] = bottom[k, : lengths[i]].detach().clone()
                 self._put(keys[i], states[keys[i]])
@@ -81,54 +83,64 @@ class FrozenLayerCache:
         shared = 0
         if self.share_prefix and not torch.is_grad_enabled():
             shared = shared_prefix(input_ids, attention_mask, position_ids, lengths)
-        if shared:
-            return self._run_top_shared(hidden, attention_mask, position_ids, shared)
-        return self._run(slice(self.start, None), attention_mask, position_ids, None, inputs_embeds=hidden)
+        return self._run(slice(self.start, None), attention_mask, position_ids, shared, inputs_embeds=hidden)
 
-    def _run_top_shared(self, hidden, attention_mask, position_ids, prefix: int) -> torch.Tensor:
-        """The adapted layers over rows that all start with the same `prefix` states: the prefix runs once, its keys
-        and values are repeated over the rows, and only the rest of each row is computed."""
-        rows, length = hidden.shape[:2]
-        device = hidden.device
+    def _run(self, layers: slice, attention_mask, position_ids, prefix: int = 0, **inputs) -> torch.Tensor:
+        """The decoder with only `layers` over `inputs` (`input_ids` or `inputs_embeds`): the states entering the final
+        norm (the bottom part, from layer 0) or the last hidden states. With `prefix` > 0 every row starts with the
+        same `prefix` tokens: they run once, their keys and values are repeated over the rows, and only the rest of
+        each row is computed."""
+        captured = []
+        hook = None
+        if layers.start == 0:  # the bottom part: keep what enters the final norm, i.e. leaves layer start - 1
+            hook = self.decoder.norm.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+        try:
+            with self._layers(layers):
+                if prefix:
+                    outputs = self._shared(attention_mask, position_ids, prefix, **inputs)
+                else:
+                    outputs = [
+                        self.decoder(
+                            **inputs, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+                        ).last_hidden_state
+                    ]
+        finally:
+            if hook is not None:
+                hook.remove()
+        if hook is not None:
+            outputs = captured
+        if len(outputs) == 1:
+            return outputs[0]
+        head, rest = outputs
+        return torch.cat([head.expand(rest.shape[0], -1, -1), rest], dim=1)
+
+    def _shared(self, attention_mask, position_ids, prefix: int, **inputs) -> list[torch.Tensor]:
+        """The prefix's outputs (one row) and the rest's (every row), the prefix run once and its cache repeated."""
+        ((name, x),) = inputs.items()
+        rows, length = x.shape[:2]
+        device = x.device
         if position_ids is None:
             position_ids = torch.arange(length, device=device).expand(rows, length)
         if attention_mask.dim() == 2:  # the rest's queries see the prefix, themselves causally, and no padding
             causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()[prefix:]
             attention_mask = (causal[None] & attention_mask.bool()[:, None, :])[:, None]
-        with self._layers(slice(self.start, None)):
-            head = self.decoder(
-                inputs_embeds=hidden[:1, :prefix],
-                position_ids=position_ids[:1, :prefix],
-                use_cache=True,
-                cache_position=torch.arange(prefix, device=device),
-            )
-            cache = head.past_key_values
-            cache.batch_repeat_interleave(rows)
-            rest = self.decoder(
-                inputs_embeds=hidden[:, prefix:],
-                attention_mask=attention_mask[:, :, -(length - prefix) :, :],
-                position_ids=position_ids[:, prefix:],
-                past_key_values=cache,
-                use_cache=True,
-                cache_position=torch.arange(prefix, length, device=device),
-            ).last_hidden_state
-        return torch.cat([head.last_hidden_state.expand(rows, -1, -1), rest], dim=1)
-
-    def _run(self, layers: slice, attention_mask, position_ids, rows, **inputs) -> torch.Tensor:
-        """The decoder with only `layers`: the states entering the final norm (bottom) or the last hidden states."""
-        if position_ids is not None and rows is not None:
-            position_ids = position_ids[rows]
-        captured = {}
-        hook = None
-        if layers.start == 0:  # the bottom part: keep what enters the final norm, i.e. leaves layer start - 1
-            hook = self.decoder.norm.register_forward_pre_hook(lambda module, args: captured.setdefault("h", args[0]))
-        try:
-            with self._layers(layers):
-                out = self.decoder(**inputs, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-        finally:
-            if hook is not None:
-                hook.remove()
-        return captured["h"] if hook is not None else out.last_hidden_state
+        head = self.decoder(
+            **{name: x[:1, :prefix]},
+            position_ids=position_ids[:1, :prefix],
+            use_cache=True,
+            cache_position=torch.arange(prefix, device=device),
+        )
+        cache = head.past_key_values
+        cache.batch_repeat_interleave(rows)
+        rest = self.decoder(
+            **{name: x[:, prefix:]},
+            attention_mask=attention_mask[:, :, -(length - prefix) :, :],
+            position_ids=position_ids[:, prefix:],
+            past_key_values=cache,
+            use_cache=True,
+            cache_position=torch.arange(prefix, length, device=device),
+        )
+        return [head.last_hidden_state, rest.last_hidden_state]
 
     @contextmanager
     def _layers(self, layers: slice):
