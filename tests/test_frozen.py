@@ -237,3 +237,23 @@ def test_the_frozen_layers_run_new_rows_shared_first_tokens_once_with_gradient_o
     mine.logprobs.sum().backward()  # the adapted layers above still give every row its own gradient
     adapter = [p for name, p in cached.model.named_parameters() if "lora_" in name]
     assert adapter and all(p.grad is not None and p.grad.abs().sum() > 0 for p in adapter)
+
+
+def test_summed_gradients_run_shared_first_tokens_once_with_the_gradient_of_whole_rows(tokenizer, lora_config):
+    cached, plain = twin_policies(tokenizer, lora_config)
+    prompts = [[257, 50, 51, 52, 53, 256, 259, 40 + i] for i in range(4)]  # 7 shared tokens, then their own
+    rows = collate([Turn(p, [60 + i, 61, 256]) for i, p in enumerate(prompts)], pad_token_id=256)
+    seen = adapted_tokens(cached)
+    weights = torch.linspace(-1, 1, rows.input_ids.shape[1])  # a loss that weighs every position differently
+    grads = []
+    for policy, scope in ((cached, cached.summed_gradients()), (plain, plain.summed_gradients())):
+        with scope:
+            out = policy(rows.input_ids, rows.attention_mask, rows.response_mask, value_index=rows.value_index)
+        ((out.logprobs * weights).sum() + out.values.sum()).backward()
+        grads.append([p.grad for name, p in policy.model.named_parameters() if "lora_" in name])
+    assert seen == [7, 4 * (rows.input_ids.shape[1] - 7)]  # the prefix once, then each row's rest, with gradient
+    for mine, theirs in zip(*grads, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)
+    with cached.summed_gradients():  # the block ends: with gradient, rows run whole again
+        assert cached.frozen_cache.summed
+    assert not cached.frozen_cache.summed

@@ -36,7 +36,7 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -497,7 +497,8 @@ class PPOTrainer:
             natural.expect(inputs=len(torch.unique(groups[index])), turns=total_rows, keys=keys)
         finite = True
         for part in micro:
-            with natural.recording() if natural is not None else nullcontext() as watch:
+            # a natural step records each input's own gradient; a plain one needs their sum: shared tokens run once
+            with natural.recording() if natural is not None else self.policy.summed_gradients() as watch:
                 logprobs, part_mask, values, entropy, _ = self._evaluate(data, part, True, watch=watch)
             old = data.old_logprobs[part, : logprobs.shape[1]]
             token_share, row_share = part_mask.sum() / total_tokens, len(part) / total_rows

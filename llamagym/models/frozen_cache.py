@@ -12,9 +12,10 @@ against a plain forward once per model; an architecture where it does not match 
 
 Rows that begin with the same tokens (the system prompt, in every game) run them once: their keys and values are
 repeated over the rows, and each row runs only its own tokens (`shared_prefix`, 40-55% of a suite game's tokens).
-The frozen layers do so for the new rows of every forward; the adapted layers only without gradient (acting, the
-trust region's measures, old and reference outputs): with gradient every row runs them whole, since the
-natural-gradient step needs each input's own gradient, and a prefix run once would mix them.
+The frozen layers do so for the new rows of every forward; the adapted layers without gradient (acting, the
+trust region's measures, old and reference outputs) and in plain steps (`summed_gradients`), whose gradient is a sum
+over the rows. The natural-gradient step needs each input's own gradient, which a prefix run once would mix: there
+every row runs the adapted layers whole.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class FrozenLayerCache:
         self.round = 0
         self.size = 0  # bytes held
         self.hits = self.misses = 0
-        self.share_prefix = True  # without gradient, rows' shared first tokens run the adapted layers once (`probe`)
+        self.share_prefix = True  # rows' shared first tokens run once (`probe` checks it is exact)
+        self.summed = False  # ... in the adapted layers with gradient too (`summed_gradients`)
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids=None) -> torch.Tensor:
         """Last hidden states (B, L, H) of right-padded rows, as the full decoder would give them at real tokens.
@@ -81,9 +83,19 @@ class FrozenLayerCache:
         for i, key in enumerate(keys):
             hidden[i, : lengths[i]] = states[key]
         shared = 0
-        if self.share_prefix and not torch.is_grad_enabled():
+        if self.share_prefix and (self.summed or not torch.is_grad_enabled()):
             shared = shared_prefix(input_ids, attention_mask, position_ids, lengths)
         return self._run(slice(self.start, None), attention_mask, position_ids, shared, inputs_embeds=hidden)
+
+    @contextmanager
+    def summed_gradients(self):
+        """Inside this block the adapted layers run the rows' shared first tokens once with gradient too: for a loss
+        whose gradient is needed summed over the rows (plain steps), not row by row (natural steps)."""
+        saved, self.summed = self.summed, True
+        try:
+            yield
+        finally:
+            self.summed = saved
 
     def _run(self, layers: slice, attention_mask, position_ids, prefix: int = 0, **inputs) -> torch.Tensor:
         """The decoder with only `layers` over `inputs` (`input_ids` or `inputs_embeds`): the states entering the final

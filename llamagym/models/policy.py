@@ -201,6 +201,14 @@ class Policy(nn.Module):
         else:
             yield
 
+    def summed_gradients(self):
+        """A context in which forwards with gradient may run the rows' shared first tokens once (the frozen-layer
+        cache's `summed_gradients`): for losses whose gradient is only needed summed over the rows. A no-op without
+        the cache, or with gradient checkpointing (its recomputation would extend the shared keys and values twice)."""
+        if self.frozen_cache is None or self.gradient_checkpointing:
+            return contextlib.nullcontext()
+        return self.frozen_cache.summed_gradients()
+
     @contextlib.contextmanager
     def float32(self):
         """Inside this context every forward runs in plain float32, without the frozen-layer cache (filled under
