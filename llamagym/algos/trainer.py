@@ -744,7 +744,8 @@ class PPOTrainer:
             if not turns:
                 break
             batch = collate(turns, self.pad_token_id, self.policy.device)
-            out = self.policy(batch.input_ids, batch.attention_mask, batch.response_mask)
+            with self.policy.summed_gradients():  # a supervised step needs the rows' summed gradient only
+                out = self.policy(batch.input_ids, batch.attention_mask, batch.response_mask)
             loss = sft_loss(out.logprobs, batch.response_mask)
             if self._backward(cfg.sft_coef * loss) and self._step(sft_stats, plain=True):
                 losses.append(float(loss.detach()))
