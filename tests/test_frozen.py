@@ -257,3 +257,32 @@ def test_summed_gradients_run_shared_first_tokens_once_with_the_gradient_of_whol
     with cached.summed_gradients():  # the block ends: with gradient, rows run whole again
         assert cached.frozen_cache.summed
     assert not cached.frozen_cache.summed
+
+
+@pytest.mark.parametrize("scored", [False, True], ids=["generate-adamw", "score-natural"])
+def test_an_update_moves_the_adapter_alike_with_the_cache_and_its_shared_first_tokens(tokenizer, lora_config, scored):
+    from llamagym.algos.rollout import Episode
+    from llamagym.algos.trainer import PPOTrainer
+    from llamagym.config import PPOConfig
+
+    g = torch.Generator().manual_seed(0)
+    system = [257, 50, 51, 52, 53, 256, 258]  # every prompt starts with it, as with a chat template's system prompt
+    prompts = [system + torch.randint(3, 250, (2 + p,), generator=g).tolist() + [256, 259] for p in range(4)]
+    candidates = [[40, 41, 256], [42, 256]]
+    episodes = []
+    for e in range(10):
+        p, choice = e % 4, e % 2
+        reply = candidates[choice] if scored else torch.randint(3, 250, (2 + e % 3,), generator=g).tolist()
+        extra = {"candidates": candidates, "choice": choice} if scored else {}
+        episodes.append(Episode([Turn(prompts[p], reply, float(p % 2) - 0.3 * choice, **extra)]))
+    moved = []
+    for policy in twin_policies(tokenizer, lora_config):
+        before = [p.detach().clone() for p in policy.trainable_parameters()]
+        trainer = PPOTrainer(policy, PPOConfig(seed=0), tokenizer.pad_token_id)
+        for _ in range(2):
+            trainer.step(episodes)
+        moved.append(
+            torch.cat([(p.detach() - b).flatten() for p, b in zip(policy.trainable_parameters(), before, strict=True)])
+        )
+    assert moved[0].norm() > 0
+    torch.testing.assert_close(moved[0], moved[1], atol=1e-6, rtol=1e-4)
