@@ -10,13 +10,12 @@ Full benchmark (quiet machine):     python benchmarks/generate_prefill.py
 """
 
 import argparse
-import platform
 import statistics
-import subprocess
 import time
 
 import gymnasium as gym
 import torch
+from learning_suite import cpu_model  # beside this file
 
 from llamagym import load_model_and_tokenizer
 from llamagym.algos.modes import MODES
@@ -37,14 +36,6 @@ def parse_args():
     if args.quick:
         args.model, args.steps, args.repeats = "tiny-random", 1, 1
     return args
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def prompt_batches(game, model, tokenizer, args) -> tuple:
@@ -96,7 +87,7 @@ def main():
         for prompts in batches:  # what prefill runs: the shared prefix once, each distinct prompt's rest once
             distinct = [list(p) for p in dict.fromkeys(map(tuple, prompts))]
             prefix = shared_prefix(distinct)
-            left += (prefix if prefix else 0) + sum(len(p) - prefix for p in distinct)
+            left += prefix + sum(len(p) - prefix for p in distinct)
         for greedy in (False, True):
             plain, reused = [], []
             for prompts in batches:
