@@ -141,19 +141,62 @@ def test_adaptive_kl_coefficient_moves_after_an_update(model, lora_config, token
 
 
 def test_freed_memory_goes_back_to_the_system_after_every_update_on_a_cpu(model, lora_config, tokenizer, monkeypatch):
-    from llamagym.algos import trainer as trainer_module
     from llamagym.models import host_memory
 
     calls = []
-    monkeypatch.setattr(trainer_module, "release_freed_memory", lambda: calls.append(1))
+    monkeypatch.setattr(host_memory, "release_freed_memory", lambda: calls.append(1) or True)
     trainer = make_trainer(model, lora_config, tokenizer)
     for update in (1, 2):
-        trainer.step(make_episodes())
-        assert len(calls) == update
+        stats = trainer.step(make_episodes())
+        assert len(calls) == 2 * update  # before the steps and after them; far below the bound within them
+        assert stats["memory/trims"] == 0
     trim = host_memory._malloc_trim()
+    monkeypatch.undo()
     assert host_memory.release_freed_memory() is (trim is not None)  # glibc (Linux) has it; elsewhere a no-op
     monkeypatch.setattr(host_memory, "_malloc_trim", lambda: None)
     assert host_memory.release_freed_memory() is False
+
+
+def test_freed_memory_within_an_update_is_trimmed_past_the_bound(model, lora_config, tokenizer, monkeypatch):
+    from llamagym.models import host_memory
+
+    resident, trims = [1000 * 2**20], []
+    monkeypatch.setattr(host_memory, "resident_bytes", lambda: resident[0])
+
+    def trim():
+        trims.append(resident[0])
+        resident[0] = 1100 * 2**20  # what the trim gave back; the rest is live
+        return True
+
+    monkeypatch.setattr(host_memory, "release_freed_memory", trim)
+    bound = host_memory.FreedMemoryBound(slack_mib=256)
+    assert not bound.check() and bound.mark == 1000 * 2**20  # the first check marks where it starts
+    resident[0] = 1256 * 2**20
+    assert not bound.check() and trims == []  # at the bound: kept
+    resident[0] = 1257 * 2**20
+    assert bound.check() and trims == [1257 * 2**20] and bound.trims == 1 and bound.mark is None
+    resident[0] = 1400 * 2**20  # the next step faults its working set in again: marked, not trimmed
+    assert not bound.check() and bound.mark == 1400 * 2**20
+    resident[0] = 1600 * 2**20
+    assert not bound.check() and bound.trims == 1
+    with pytest.raises(ValueError, match="slack_mib"):
+        host_memory.FreedMemoryBound(slack_mib=0)
+
+    # the trainer checks after each optimizer step: an update whose steps leave freed memory past the bound trims
+    trainer = make_trainer(model, lora_config, tokenizer, mini_batch_size=2)
+    trainer.freed_memory = host_memory.FreedMemoryBound(slack_mib=1)
+    grow = trainer.freed_memory.check
+
+    def check():
+        resident[0] += 2 * 2**20  # each step leaves 2 MiB behind
+        return grow()
+
+    monkeypatch.setattr(trainer.freed_memory, "check", check)
+    trims.clear()
+    stats = trainer.step(make_episodes())
+    steps = stats["ppo/minibatches"]  # marked at the first, trimmed at the second, marked at the third, ...
+    assert steps >= 4 and stats["memory/trims"] == steps // 2
+    assert len(trims) == stats["memory/trims"] + 2  # and before the steps and after the update
 
 
 def test_sft_replay_runs_after_the_update_and_reports_its_loss(model, lora_config, tokenizer):

@@ -43,7 +43,7 @@ import torch
 
 from .. import distributed
 from ..config import PPOConfig, ReplayConfig
-from ..models.host_memory import release_freed_memory
+from ..models.host_memory import FreedMemoryBound
 from ..models.policy import Policy
 from . import estimators, ppo
 from .averaging import WeightAverage
@@ -123,6 +123,8 @@ class PPOTrainer:
         self._batch_summary = ""  # the current batch's reward/advantage/KL range, for the skip warning
         self._input_ids: torch.Tensor | None = None  # data-parallel: local distinct input -> id shared by all ranks
         self._measured: _Measured | None = None  # the last trust-region measure's outputs, kept for acting (`step`)
+        # CPU: freed heap goes back to the system after each update, and within one when it grows past a bound
+        self.freed_memory = FreedMemoryBound() if policy.device.type == "cpu" else None
         distributed.broadcast_(list(policy.trainable_parameters()))  # every rank starts from rank 0's weights
 
     # ---- one update ------------------------------------------------------------------------------------------
@@ -139,6 +141,7 @@ class PPOTrainer:
         if not episodes:
             raise ValueError("PPOTrainer.step() needs at least one episode with a turn.")
         self._anneal()
+        trims = self.freed_memory.trims if self.freed_memory is not None else 0
         turns = [turn for episode in episodes for turn in episode.turns]
         mode = mode_of(turns)  # the action mode collates and evaluates the turns (`algos/modes/`)
         if self.policy.frozen_cache is not None:  # frozen-layer states unused for the mode's rounds go
@@ -176,6 +179,9 @@ class PPOTrainer:
         else:
             with self.policy.reference():
                 ref_logprobs = self._score(data, plans[0], reference=True)[0]
+
+        if self.freed_memory is not None:  # what acting and scoring freed goes back before the steps mark theirs
+            self.freed_memory.release()
 
         # 2. per-turn rewards: env reward minus the KL penalty to the reference
         kl_ref = (ppo.kl_penalty(old_logprobs, ref_logprobs, cfg.kl_estimator) * mask).sum(dim=-1)
@@ -281,11 +287,13 @@ class PPOTrainer:
             mode.remember(acted(mode), [turns[i] for i in rows], measured.dists, values, measured.features)
 
         self.num_updates += 1
-        if self.policy.device.type == "cpu":  # the update's activations are freed: give their pages back
-            release_freed_memory()
+        if self.freed_memory is not None:  # the update's activations are freed: give their pages back
+            self.freed_memory.release()
         if self.average is not None:
             self.average.update()
         result = {key: sum(values) / len(values) for key, values in stats.items() if values}
+        if self.freed_memory is not None:  # trims within the update (the bound on freed memory)
+            result["memory/trims"] = float(self.freed_memory.trims - trims)
         if "trust/scale" in stats:
             result["trust/undone"] = float(sum(scale == 0 for scale in stats["trust/scale"]))
         result.update(
@@ -710,6 +718,8 @@ class PPOTrainer:
         optimizer.zero_grad(set_to_none=True)
         self.consecutive_skips = 0
         stats["ppo/grad_norm"].append(float(norm))
+        if self.freed_memory is not None:  # the step's activations are freed; trims only past the bound
+            self.freed_memory.check()
         return True
 
     def _skip(self, why: str) -> bool:

@@ -1,4 +1,5 @@
-"""Hand freed CPU memory back to the operating system after each update (glibc's `malloc_trim`).
+"""Hand freed CPU memory back to the operating system (glibc's `malloc_trim`): after each update, and within one
+whenever the freed memory it holds grows past a bound.
 
 PyTorch's CPU tensors come from the C library's malloc. glibc serves a request below its mmap threshold from a heap,
 and raises that threshold (up to 32 MiB) whenever a larger block is freed, so after the first large tensor nearly
@@ -6,7 +7,9 @@ every activation of an update lands in a heap, whose freed space stays resident:
 Measured in generate mode (guess-the-number; docs/learning-that-holds.md, tenth session), the process held 0.75-1.05
 GiB of freed heap between updates from the first one on. `malloc_trim(0)` gives the freed pages of every heap back,
 in about 15 ms. Trimming after every optimizer step instead of every update held the peak lower but made updates
-20-50% slower, since each step faults the same pages in again. Elsewhere (macOS, Windows, musl) it does nothing.
+20-50% slower, since each step faults the same pages in again; within an update of many steps the freed heap still
+grew by 0.3-0.5 GiB (tic-tac-toe's 36 steps, twenty-third session), so `FreedMemoryBound` trims there only when the
+resident memory has grown a bound past one step's working set. Elsewhere (macOS, Windows, musl) both do nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
+
+# Within an update: trim once the resident memory is this far above the mark (see `FreedMemoryBound`).
+DEFAULT_SLACK_MIB = 128
 
 
 @functools.cache
@@ -35,3 +42,50 @@ def release_freed_memory() -> bool:
         return False
     trim(0)
     return True
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux's /proc/self/statm), or None where it cannot be read."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+class FreedMemoryBound:
+    """Keeps the freed memory a process holds between trims to about `slack_mib` past one step's working set.
+
+    `check()` (cheap: one read of /proc) is called where a step's tensors have just been freed. The first check after
+    a trim marks the resident memory: what is live plus the pages the step just used, which the next step reuses.
+    A later check that finds the resident memory more than `slack_mib` above that mark trims and starts again, so
+    live memory that grows (a cache filling) only moves the mark up. Marking right after the trim instead would
+    count the working set the next step faults in again as growth, and trim after every step. `release()` trims
+    now. A no-op where there is no `malloc_trim` or no /proc.
+    """
+
+    def __init__(self, slack_mib: float = DEFAULT_SLACK_MIB):
+        if not slack_mib > 0:
+            raise ValueError(f"`slack_mib` should be > 0. Received {slack_mib}.")
+        self.slack = int(slack_mib * 2**20)
+        self.mark: int | None = None  # resident bytes at the first check since the last trim
+        self.trims = 0  # trims `check` made (reported by the trainer per update)
+
+    def check(self) -> bool:
+        """Trim if the resident memory grew more than the slack since the mark; True when it trimmed."""
+        now = resident_bytes()
+        if now is None:
+            return False
+        if self.mark is None:
+            self.mark = now
+            return False
+        if now - self.mark <= self.slack:
+            return False
+        self.release()
+        self.trims += 1
+        return True
+
+    def release(self) -> bool:
+        """Trim now; the next `check` marks again. True when there was a `malloc_trim` to call."""
+        self.mark = None
+        return release_freed_memory()
