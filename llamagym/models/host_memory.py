@@ -8,7 +8,7 @@ Measured in generate mode (guess-the-number; docs/learning-that-holds.md, tenth 
 GiB of freed heap between updates from the first one on. `malloc_trim(0)` gives the freed pages of every heap back,
 in about 15 ms. Trimming after every optimizer step instead of every update held the peak lower but made updates
 20-50% slower, since each step faults the same pages in again; within an update of many steps the freed heap still
-grew by 0.3-0.5 GiB (tic-tac-toe's 36 steps, twenty-third session), so `FreedMemoryBound` trims there only when the
+grew by 0.2-0.5 GiB (tic-tac-toe's 36 steps, twenty-third session), so `FreedMemoryBound` trims there only when the
 resident memory has grown a bound past one step's working set. Elsewhere (macOS, Windows, musl) both do nothing.
 """
 
@@ -19,8 +19,10 @@ import ctypes.util
 import functools
 import os
 
-# Within an update: trim once the resident memory is this far above the mark (see `FreedMemoryBound`).
-DEFAULT_SLACK_MIB = 128
+# Within an update: trim once the resident memory is this far above the mark (see `FreedMemoryBound`). Each trim
+# costs the next step faulting its working set in again: at 128 MiB guess-the-number's generate-mode updates trimmed
+# 4-8 times and took 1.27x as long; at 256 MiB 1-2 times, at no measured cost (twenty-third session).
+DEFAULT_SLACK_MIB = 256
 
 
 @functools.cache
