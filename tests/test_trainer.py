@@ -179,6 +179,10 @@ def test_freed_memory_within_an_update_is_trimmed_past_the_bound(model, lora_con
     assert not bound.check() and bound.mark == 1400 * 2**20
     resident[0] = 1600 * 2**20
     assert not bound.check() and bound.trims == 1
+    monkeypatch.setattr(host_memory, "release_freed_memory", lambda: False)  # no malloc_trim here: nothing counted
+    resident[0] = 2000 * 2**20
+    assert not bound.check() and bound.trims == 1
+    monkeypatch.setattr(host_memory, "release_freed_memory", trim)
     with pytest.raises(ValueError, match="slack_mib"):
         host_memory.FreedMemoryBound(slack_mib=0)
 

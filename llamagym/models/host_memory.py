@@ -81,9 +81,8 @@ class FreedMemoryBound:
         if self.mark is None:
             self.mark = now
             return False
-        if now - self.mark <= self.slack:
+        if now - self.mark <= self.slack or not self.release():
             return False
-        self.release()
         self.trims += 1
         return True
 
