@@ -21,7 +21,8 @@ import os
 
 # Within an update: trim once the resident memory is this far above the mark (see `FreedMemoryBound`). Each trim
 # costs the next step faulting its working set in again: at 128 MiB guess-the-number's generate-mode updates trimmed
-# 4-8 times and took 1.27x as long; at 256 MiB 1-2 times, at no measured cost (twenty-third session).
+# 4-8 times and took 1.27x as long; at 256 MiB 0-3 times, and tic-tac-toe's took 1.05x, within single updates'
+# spread (twenty-third session).
 DEFAULT_SLACK_MIB = 256
 
 
