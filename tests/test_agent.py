@@ -209,7 +209,7 @@ def test_state_dict_round_trips_the_trainer_and_episodes_and_can_drop_the_runnin
     play(agent, CountingEnv(length=2), episodes=4)  # one update, one finished episode waiting
     agent.act(0)  # a running episode
     state = agent.state_dict()
-    assert set(state) == {"trainer", "episode_count", "episodes"}
+    assert set(state) == {"trainer", "episode_count", "episodes", "acting_memory"}
     other = make_agent(build_tiny_model(tokenizer), tokenizer, lora_config, batch_size=3)
     other.load_state_dict(state)
     assert other.trainer.num_updates == 1 and other.episode_count == agent.episode_count

@@ -203,3 +203,32 @@ def test_a_checkpoint_from_before_the_modules_moved_still_loads(tokenizer, lora_
     resumed.load(tmp_path / "ckpt")
     assert resumed.slots == agent.slots and resumed.batch == agent.batch
     assert type(resumed.batch[0]) is rollout.Episode
+
+
+class TwoChoiceAgent(OneStepAgent):
+    action_names = ["stick", "hit"]  # scoring mode: the trust region measures each step
+
+
+def test_what_acting_remembers_of_the_weights_survives_a_checkpoint(tokenizer, lora_config, tmp_path):
+    """After an update acting takes the trust region's measure of the batch's inputs, whose last bits differ from
+    what acting would compute: without it a resumed run acts on other numbers than the uninterrupted one."""
+    torch.manual_seed(0)
+    config = PPOConfig(batch_size=2, min_batch_turns=0)
+    agent = TwoChoiceAgent(build_tiny_model(tokenizer), tokenizer, ppo_config=config, lora_config=lora_config)
+    for observation, reward in ((0, 1.0), (1, -1.0)):
+        agent.act(observation)
+        agent.assign_reward(reward)
+        agent.terminate_episode()
+    remembered = agent.actor.memory_state()["memory"]["score"]
+    assert remembered  # the update handed its measure to acting
+    agent.save(tmp_path / "ckpt")
+    other = TwoChoiceAgent(build_tiny_model(tokenizer, seed=1), tokenizer, ppo_config=config, lora_config=lora_config)
+    other.load_state_dict(agent.state_dict())  # other weights: what acting remembered is not theirs, and not taken
+    assert other.actor.memory_state() == {}
+    other.load(tmp_path / "ckpt")
+    restored = other.actor.memory_state()["memory"]["score"]
+    assert restored.keys() == remembered.keys()
+    for key, entry in remembered.items():
+        assert all(torch.equal(a, b) for a, b in zip(entry, restored[key], strict=True))
+    other.policy.version += 1  # the weights changed: the memory is stale, and neither used nor saved
+    assert other.actor.memory_state() == {}

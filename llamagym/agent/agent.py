@@ -474,18 +474,23 @@ class Agent(ABC):
     def state_dict(self) -> dict:
         """What a resumed run needs besides the policy's weights (`Policy.save`) and the RNG states: the trainer's
         state (optimizer, KL controller, replay buffer, counters), the episode count, the running episodes and the
-        finished ones not yet trained on. Picklable; `save` writes it into the checkpoint."""
+        finished ones not yet trained on, and what acting remembers of the current weights' outputs. Picklable;
+        `save` writes it into the checkpoint."""
         return {
             "trainer": self.trainer.state_dict(),
             "episode_count": self.episode_count,
             "episodes": episodes_state(self.slots, self.batch),
+            "acting_memory": self.actor.memory_state(),
         }
 
     def load_state_dict(self, state: dict, restore_episodes: bool = True) -> None:
         """Restore what `state_dict` returned. `restore_episodes` continues the running episodes; without it they
-        are dropped and a fresh one starts. The finished, untrained episodes come back either way."""
+        are dropped and a fresh one starts. The finished, untrained episodes come back either way; what acting
+        remembered only if the policy already holds the weights it was saved with (`Policy.load` first)."""
         self.trainer.load_state_dict(state["trainer"])
         self.episode_count = state["episode_count"]
+        if "acting_memory" in state:  # absent in checkpoints written before it was kept
+            self.actor.load_memory_state(state["acting_memory"])
         if "episodes" in state:  # absent in checkpoints written before it existed
             slots, self.batch = load_episodes_state(state["episodes"])
             if restore_episodes:

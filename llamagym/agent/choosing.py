@@ -12,6 +12,7 @@ from contextlib import nullcontext
 from typing import NamedTuple
 
 from ..algos.modes import MODES, ActionMode
+from ..distributed import checksum
 from ..models.policy import Policy
 from .chat import ChatFormatter, Message
 from .demos import response_ids
@@ -51,12 +52,33 @@ class Actor:
     def memory(self, mode: ActionMode) -> dict:
         """`mode`'s own dict between calls (the score mode keeps its distributions there), emptied whenever the
         policy's outputs may have changed: its weights (`Policy.version`), temperature or precision."""
-        stamp = (self.policy.version, self.policy.temperature, self.policy.precision)
+        stamp = self._stamp()
         if stamp != self._memory_stamp:
             for memory in self._memory.values():
                 memory.clear()
             self._memory_stamp = stamp
         return self._memory.setdefault(mode.name, {})
+
+    def memory_state(self) -> dict:
+        """Every mode's memory with a checksum of the weights it holds outputs of; {} when it is empty or stale.
+
+        A checkpoint keeps it, so a resumed run acts on the numbers the uninterrupted one acts on: after an update
+        the memory holds the trust region's measure of the batch's inputs (`PPOTrainer.step`), which differs in its
+        last bits from what acting would compute in its own batch shapes.
+        """
+        if self._stamp() != self._memory_stamp or not any(self._memory.values()):
+            return {}
+        return {"weights": checksum(self.policy.trainable_parameters()), "memory": self._memory}
+
+    def load_memory_state(self, state: dict) -> None:
+        """Restore `memory_state()` when the policy holds the weights it was computed with (load them first);
+        otherwise the memory starts empty, as it would after any change of weights."""
+        if state and state["weights"] == checksum(self.policy.trainable_parameters()):
+            self._memory = {name: dict(entries) for name, entries in state["memory"].items()}
+            self._memory_stamp = self._stamp()
+
+    def _stamp(self) -> tuple:
+        return self.policy.version, self.policy.temperature, self.policy.precision
 
     def candidate_ids(self, text: str) -> list[int]:
         """Token ids of `text` as an assistant reply (chat-template exact, with its end-of-turn token); cached."""
