@@ -4,7 +4,8 @@ The agent (`BlackjackAgent` of `llamagym/envs/blackjack.py`) sees its hand in wo
 By default it scores those two replies (one forward pass for all envs) instead of generating free text;
 `--action-mode generate` samples and parses replies the way the original LlamaGym did. Its greedy policy is a table
 over 280 states, so the run ends with the *exact* expected return of that policy (no sampling noise), beside the
-optimal one.
+optimal one. It trains with the library's defaults, as the README's quickstart does (`PPOConfig()`, `Agent(...)`, the
+model's registry entry); each learning flag below, when given, changes that one setting.
 
 Smoke run (seconds, tiny random model):  python examples/blackjack.py --model tiny-random --episodes 8 --device cpu
 Sanity run (embedded SmolLM2-135M):     python examples/blackjack.py --episodes 5
@@ -20,7 +21,6 @@ Data-parallel, 2 processes (docs/scaling.md):
 
 import argparse
 import json
-import math
 import random
 
 import gymnasium as gym
@@ -45,39 +45,30 @@ from llamagym.run_log import RunLog
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--episodes", type=int, default=32000, help="hands to play (default: 32000)")
+    parser.add_argument("--episodes", type=int, default=20000, help="hands to play (default: 20000)")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="registry name, hub id or local path")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | mps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-envs", type=int, default=32, help="envs played at once (one forward pass each step)")
-    parser.add_argument("--lr", type=float, default=3e-4, help="learning rate of the LoRA adapter and value head")
-    parser.add_argument("--value-lr", type=float, default=3e-3, help="learning rate of the value head")
-    parser.add_argument("--batch-size", type=int, default=512, help="episodes per PPO update")
-    parser.add_argument("--mini-batch-size", type=int, default=4096, help="turns per step (4096: whole batch)")
-    parser.add_argument("--ppo-epochs", type=int, default=2)
-    parser.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL to the reference in the reward")
-    parser.add_argument("--ent-coef", type=float, default=0.01, help="entropy bonus (keeps both actions explored)")
+    # the learning settings: unset (None), each is the library's default (PPOConfig, Agent, the model's registry entry)
+    parser.add_argument("--batch-size", type=int, help="hands per PPO update (default: 32 hands and >= 128 turns)")
+    parser.add_argument("--lr", type=float, help="learning rate of the LoRA adapter and value head")
+    parser.add_argument("--ent-coef", type=float, help="entropy bonus")
     parser.add_argument(
         "--natural-gradient",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="PPO steps in function space, per state (default); --no-natural-gradient = AdamW",
+        help="PPO steps in function space, per state (the default in scoring mode); --no-natural-gradient = AdamW",
     )
-    parser.add_argument("--natural-step", type=float, default=1.0, help="natural-gradient step size")
-    parser.add_argument("--natural-damping", type=float, default=0.1, help="natural-gradient relative damping")
+    parser.add_argument("--target-kl", type=float, help="also stop an update past 1.5x this KL")
+    parser.add_argument("--lora-layers", type=int, help="adapt the top N layers only (0 = all)")
     parser.add_argument(
-        "--anneal",
+        "--sft-warm-start",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="step size falls linearly to 0 by the last update (default), so the policy settles",
+        help="imitate won hands after each update (the default in generate mode)",
     )
-    parser.add_argument("--max-grad-norm", type=float, default=0.3, help="cap on a step's norm (natural) or grad norm")
     parser.add_argument("--action-mode", choices=["score", "generate"], default="score")
-    parser.add_argument("--lora-layers", type=int, default=8, help="adapt the top N layers only (0 = all)")
     parser.add_argument("--max-new-tokens", type=int, default=8, help="reply length in generate mode")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto")
-    parser.add_argument("--sft-warm-start", action="store_true", help="imitate won hands after each update")
-    parser.add_argument("--target-kl", type=float, default=0.02, help="stop an update past 1.5x this KL (0 = off)")
     parser.add_argument("--output-dir", default="runs/blackjack", help="metrics, checkpoint, evaluation, plots")
     parser.add_argument("--checkpoint-every", type=int, default=5, help="updates between checkpoints")
     parser.add_argument("--resume", action="store_true", help="continue exactly from OUTPUT_DIR/checkpoint")
@@ -125,46 +116,28 @@ def evaluate(agent, args, output_dir, returns, name="eval"):
 
 
 def make_agent(args) -> BlackjackAgent:
-    """The model of `--model` with a LoRA adapter, and PPO settings of the README's measured runs."""
+    """The model of `--model` with a LoRA adapter, trained with the library's defaults and the flags that were set."""
     model, tokenizer = load_model_and_tokenizer(args.model, device=args.device)
+    chosen = {
+        "batch_size": args.batch_size,
+        "min_batch_turns": 0 if args.batch_size else None,  # --batch-size counts hands, whatever their turns
+        "learning_rate": args.lr,
+        "ent_coef": args.ent_coef,
+        "natural_gradient": args.natural_gradient,
+        "target_kl": args.target_kl,
+    }
+    lora_layers = "auto" if args.lora_layers is None else min(args.lora_layers, model.config.num_hidden_layers) or None
     return BlackjackAgent(
         model,
         tokenizer,
-        ppo_config=PPOConfig(
-            batch_size=args.batch_size,
-            min_batch_turns=0,  # a batch is --batch-size hands (512 hands are about 700 turns, past the default 128)
-            mini_batch_size=args.mini_batch_size,
-            ppo_epochs=args.ppo_epochs,
-            learning_rate=args.lr,
-            value_learning_rate=args.value_lr,
-            gamma=1.0,
-            lam=1.0,  # hands are a few turns long: Monte-Carlo returns
-            kl_coef=args.kl_coef,
-            adaptive_kl=args.kl_coef > 0,
-            ent_coef=args.ent_coef,
-            target_kl=args.target_kl or 0.05,
-            seed=args.seed,
-            max_grad_norm=args.max_grad_norm,
-            natural_gradient=args.natural_gradient,
-            natural_step=args.natural_step,
-            natural_damping=args.natural_damping,
-            anneal_updates=math.ceil(args.episodes / args.batch_size) if args.anneal else 0,
-            # the README's measured runs: batch whitening, no trust region, the greedy policy of the latest weights,
-            # every turn weighed alike (the library's defaults now change all four; this example is not re-measured
-            # with them yet)
-            max_kl=None,
-            advantage_scale="batch",
-            average_updates=0,
-            repeated_input_power=0.0,
-        ),
-        replay_config=ReplayConfig(min_return=1.0),  # imitate won hands only
+        ppo_config=PPOConfig(seed=args.seed, **{key: value for key, value in chosen.items() if value is not None}),
+        replay_config=ReplayConfig(min_return=1.0),  # when imitating (--sft-warm-start): won hands only
         generation_config={"max_new_tokens": args.max_new_tokens},
         sft_warm_start=args.sft_warm_start,
-        use_target_kl=bool(args.target_kl),
+        use_target_kl=args.target_kl is not None,
         action_mode=args.action_mode,
         precision=args.precision,
-        # the backward pass stops at the lowest adapted layer (a small model may have fewer than asked for)
-        lora_layers=min(args.lora_layers, model.config.num_hidden_layers) or None,
+        lora_layers=lora_layers,  # the backward pass stops at the lowest adapted layer
         fallback_action=0,  # stick when a generated reply names no action
         action_space=gym.make("Blackjack-v1", natural=False, sab=False).action_space,
     )
@@ -221,7 +194,9 @@ def main():
     main_rank, ranks = distributed.is_main(), distributed.world_size()
     pause_after = args.max_updates  # a user's limit: the run stops checkpointed, to be continued with --resume
     if ranks > 1 and not args.max_updates:  # every rank must make as many updates: count updates, not hands
-        args.max_updates = max(1, args.episodes // args.batch_size)
+        defaults = PPOConfig()  # a default batch is 32 hands and at least 128 turns: count it as 128 hands
+        per_update = args.batch_size or max(defaults.batch_size, defaults.min_batch_turns)
+        args.max_updates = max(1, args.episodes // per_update)
     agent = make_agent(args)
     state = resume(agent, run, missing_ok=not args.resume) if args.resume or args.eval_only else {}
     returns, invalid = state.get("returns", []), state.get("invalid", [])  # per hand: its return, its invalid replies
