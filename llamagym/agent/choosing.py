@@ -68,7 +68,8 @@ class Actor:
         """
         if self._stamp() != self._memory_stamp or not any(self._memory.values()):
             return {}
-        return {"weights": checksum(self.policy.trainable_parameters()), "memory": self._memory}
+        memory = {name: dict(entries) for name, entries in self._memory.items()}  # acting goes on filling its own
+        return {"weights": checksum(self.policy.trainable_parameters()), "memory": memory}
 
     def load_memory_state(self, state: dict) -> None:
         """Restore `memory_state()` when the policy holds the weights it was computed with (load them first);
