@@ -115,6 +115,14 @@ def test_repeated_input_weights_golden_values():
     torch.testing.assert_close(ppo.repeated_input_weights(groups, 1.0), torch.tensor([0.25] * 4 + [1.0, 0.5, 0.5]))
 
 
+def test_repeated_input_weights_land_on_the_advantages_device(model, lora_config, tokenizer):
+    """The weights are counted on the CPU and multiply advantages that live on the policy's device (a GPU run
+    failed at its first update when they did not move)."""
+    trainer = PPOTrainer(Policy(model, lora_config, precision="fp32"), PPOConfig(), tokenizer.pad_token_id)
+    weights = trainer._repeated_input_weights(torch.tensor([0, 0, 1]), 0.5, torch.device("meta"))
+    assert weights.device.type == "meta" and weights.shape == (3,)
+
+
 def test_running_moments_match_numpy_over_chunks():
     values = np.random.default_rng(0).normal(3.0, 2.0, size=100)
     moments = ppo.RunningMoments()

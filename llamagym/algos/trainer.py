@@ -214,7 +214,7 @@ class PPOTrainer:
         local = torch.where(invalid, local.clamp(max=0.0), local)
         power = mode.repeated_input_power if cfg.repeated_input_power is None else cfg.repeated_input_power
         if power:  # scaled after the estimator: the weights shrink what a turn moves, not its return
-            local = local * self._repeated_input_weights(data.groups, power)
+            local = local * self._repeated_input_weights(data.groups, power, local.device)
         self._batch_summary = (
             f"batch of {len(turns)} turns: mean reward {float(env_rewards.mean()):.4g}, advantages in "
             f"[{float(advantages.min()):.4g}, {float(advantages.max()):.4g}], kl/ref {float(kl_ref.mean()):.4g}"
@@ -596,14 +596,14 @@ class PPOTrainer:
         tolerance = 1e-3 * float(data.advantages[index].abs().mean()) + 1e-7
         return float(kl.mean()), float(kl.max()), objective_after >= objective_before - tolerance
 
-    def _repeated_input_weights(self, groups: torch.Tensor, power: float) -> torch.Tensor:
-        """This rank's turns' `ppo.repeated_input_weights`, counting each input's turns over every rank (data-parallel:
-        by the ids all ranks share, so a rank's weights are those one process would give its turns)."""
+    def _repeated_input_weights(self, groups: torch.Tensor, power: float, device: torch.device) -> torch.Tensor:
+        """This rank's turns' `ppo.repeated_input_weights` on `device`, counting each input's turns over every rank
+        (data-parallel: by the ids all ranks share, so a rank's weights are those one process would give its turns)."""
         if self._input_ids is None:
-            return ppo.repeated_input_weights(groups, power)
+            return ppo.repeated_input_weights(groups, power).to(device)
         shared, sizes = distributed.all_gather_cat(self._input_ids.to(groups.device)[groups])
         start = sum(sizes[: distributed.rank()])
-        return ppo.repeated_input_weights(shared, power)[start : start + len(groups)]
+        return ppo.repeated_input_weights(shared, power)[start : start + len(groups)].to(device)
 
     def _entropy_bonus(self, data: UpdateBatch, equal: bool) -> dict[str, float]:
         """Set this update's entropy bonus weight `ent_coef`: the configured one plus the entropy floor's, adapted to
