@@ -150,4 +150,5 @@ def test_suite_games_train_on_cuda_in_both_modes(tmp_path):
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
     assert [r.get("error") for r in runs] == [None] * len(runs), [r.get("error") for r in runs]
     assert {(r["game"], r["mode"]) for r in runs} == {(g, m) for g in games for m in ("score", "generate")}
-    assert all(r["updates"] > 0 and r["device"] == torch.cuda.get_device_name() for r in runs)
+    seen = [(r["game"], r["mode"], r["updates"], r["device"]) for r in runs]
+    assert all(r["updates"] > 0 and r["device"] == torch.cuda.get_device_name() for r in runs), seen
