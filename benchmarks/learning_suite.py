@@ -43,7 +43,7 @@ LOGGED = (
     "ppo/value_refit_ev", "trust/tries", "adv/groups", "adv/zero_variance_groups", "adv/step_groups",
     "ppo/distinct_turns", "ppo/num_turns", "trust/kl", "trust/kl_max", "trust/scale", "trust/undone", "kl/ref",
     "time/update_s", "agent/batch_invalid_action_rate", "ppo/entropy_fraction", "ppo/entropy_floor_coef",
-    "memory/trims",
+    "ppo/entropy_floor_turns", "memory/trims",
 )  # fmt: skip
 
 

@@ -64,8 +64,9 @@ class PPOConfig:
     value_refit: float | None = 1.0  # after each update refit the value head by ridge regression on the batch's
     # returns, with this relative damping (ppo.ridge_refit); None = value-loss steps only
     ent_coef: float = 0.0  # weight of the entropy bonus on response tokens
-    entropy_floor: float | None = 0.3  # scoring mode: while the sampled choices' mean entropy (as a fraction of the
-    # most: entropy / ln(candidates)) is below this, an entropy bonus grows (ppo.EntropyFloor); None = off
+    entropy_floor: float | None = 0.1  # scoring mode: while the sampled choices' mean entropy (as a fraction of the
+    # most: entropy / ln(candidates)) is below this, an entropy bonus on the turns below it grows (ppo.EntropyFloor);
+    # None = off
     entropy_floor_step: float = 0.002  # how much that bonus's weight rises (or falls, above the floor) per update
     max_grad_norm: float = 1.0  # global gradient-norm clip (with natural_gradient: of the adapter step itself)
     whiten_advantages: bool = True  # center advantages on the batch's mean and divide them by `advantage_scale`

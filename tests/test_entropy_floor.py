@@ -30,6 +30,13 @@ def test_the_floor_weight_rises_below_the_floor_falls_above_it_and_never_goes_ne
     assert other.update(0.1) == pytest.approx(0.008)
 
 
+def test_the_floor_weighs_only_the_turns_below_it():
+    floor = ppo.EntropyFloor(0.3, 0.002)
+    floor.update(0.1), floor.update(0.1)
+    weights = floor.weights(torch.tensor([0.1, 0.29, 0.3, 0.9]))
+    torch.testing.assert_close(weights, torch.tensor([0.004, 0.004, 0.0, 0.0]))
+
+
 def trainer(lora_config, tokenizer, **overrides):
     config = PPOConfig(**{"natural_gradient": True, "natural_step": 2.0, "max_grad_norm": 100.0, **overrides})
     model = build_tiny_model(tokenizer, seed=0)
@@ -60,6 +67,25 @@ def test_below_the_floor_the_bonus_grows_and_raises_the_entropy_a_step_leaves(lo
             restored.load_state_dict(state)
             assert restored.entropy_floor.value == 1.0
     assert after[0.999] > after[None] + 1e-4
+
+
+def test_the_bonus_leaves_the_choices_above_the_floor_alone(lora_config, tokenizer):
+    """With the floor between the inputs' entropies, the bonus weighs the turns of the inputs below it only: a choice
+    still open is not pulled toward even odds (which flips the greedy action of near-tied states)."""
+    rewards, choices = [1.0, -1.0, 0.5, -0.5, 1.0, -1.0], [0, 1, 0, 1, 0, 1]
+    torch.manual_seed(0)
+    probe = trainer(lora_config, tokenizer)
+    count = torch.tensor([len(c) for c in CANDIDATES])
+    fractions = entropy_fraction(distributions(probe.policy), count)  # the three inputs', before any step
+    floor = float(fractions.max()) - 1e-4  # the most open input is above it, the batch's mean below it
+    assert float(fractions.min()) < float(fractions.mean()) < floor
+    torch.manual_seed(0)
+    agent = trainer(lora_config, tokenizer, entropy_floor=floor, entropy_floor_step=0.5, ent_coef=0.01)
+    stats = agent.step(scored_episodes(rewards, choices))
+    below = (fractions < floor).float().repeat(2)  # the batch's six turns go through the three inputs twice
+    torch.testing.assert_close(agent._entropy_weights, 0.01 + 0.5 * below)
+    assert stats["ppo/entropy_floor_turns"] == pytest.approx(float(below.mean()))
+    assert 0 < stats["ppo/entropy_bonus"] < 0.01 * stats["ppo/entropy"] + 0.5 * stats["ppo/entropy"]
 
 
 def test_generate_mode_has_no_floor(lora_config, tokenizer):

@@ -375,6 +375,10 @@ class FixedKLController:
     def update(self, current_kl: float, n_steps: int) -> None:
         pass
 
+    def weights(self, fraction: Tensor) -> Tensor:
+        """(N,) the bonus's weight on each turn, from its entropy fraction (N,): `value` below the floor, else 0."""
+        return (fraction < self.floor).to(fraction.dtype) * self.value
+
     def state_dict(self) -> dict[str, float]:
         return {"value": self.value}
 
@@ -413,8 +417,16 @@ class EntropyFloor:
     Entropy is counted as a fraction of the most a choice can have (entropy / ln(number of options)), so one floor
     means the same for a choice of 2 and of 16.
 
+    The bonus applies only to the turns whose own entropy is below the floor (`weights`): it keeps a choice the
+    policy has settled from becoming certain and leaves alone the choices still open, which a bonus on every turn
+    pulls toward even odds. A learned policy may rightly be surer than a floor: then the constraint cannot be met,
+    the weight keeps rising, and the bonus unsettles what was learned (Blackjack's policies slid from their best in a
+    run's last minutes under a floor of 0.3, and held under 0.1, `PPOConfig.entropy_floor`'s default, which is
+    still above where a policy that stopped exploring goes: docs/learning-that-holds.md, "Twenty-fifth session").
+
     Examples (floor 0.3, step 0.002): value 0 -> update(0.1) -> 0.002 -> update(0.1) -> 0.004 -> update(0.5) -> 0.002;
-    value 0 -> update(0.5) -> 0 (it never goes negative).
+    value 0 -> update(0.5) -> 0 (it never goes negative). At value 0.004, weights of fractions (0.1, 0.29, 0.3, 0.9)
+    are (0.004, 0.004, 0, 0).
     """
 
     def __init__(self, floor: float, step: float) -> None:
@@ -427,6 +439,10 @@ class EntropyFloor:
         elif entropy >= self.floor:
             self.value = max(0.0, self.value - self.step)
         return self.value
+
+    def weights(self, fraction: Tensor) -> Tensor:
+        """(N,) the bonus's weight on each turn, from its entropy fraction (N,): `value` below the floor, else 0."""
+        return (fraction < self.floor).to(fraction.dtype) * self.value
 
     def state_dict(self) -> dict[str, float]:
         return {"value": self.value}

@@ -115,6 +115,7 @@ class PPOTrainer:
         floor = config.entropy_floor
         self.entropy_floor = ppo.EntropyFloor(floor, config.entropy_floor_step) if floor is not None else None
         self.ent_coef = config.ent_coef  # this update's entropy bonus weight: ent_coef + the floor's (see `step`)
+        self._entropy_weights: torch.Tensor | None = None  # that weight per turn of the batch (None: no bonus)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.num_updates = 0
         self.step_scale = 1.0  # this update's factor on the adapter's step size (see `anneal_updates`)
@@ -243,7 +244,7 @@ class PPOTrainer:
                 if region is not None:
                     region.remember()
                 if self._step(stats) and region is not None:
-                    before = mb["ppo/surrogate"] + self.ent_coef * mb["ppo/entropy"]
+                    before = mb["ppo/surrogate"] + mb["ppo/entropy_bonus"]
                     measure = functools.partial(self._measure, data, index, before, keep)
                     for key, value in region.enforce(measure, self._moved).items():
                         stats[f"trust/{key}"].append(value)
@@ -518,12 +519,13 @@ class PPOTrainer:
             v_loss, v_clipfrac = ppo.value_loss(
                 values, data.old_values[part], data.returns[part], torch.ones_like(values), cfg.vf_clip_coef
             )
+            bonus = self._entropy_bonus_term(entropy, part, part_mask)
             entropy = ppo.masked_mean(entropy, part_mask)
             approx_kl = ppo.approx_kl(logprobs, old, part_mask)
             # a per-reply aggregation is a mean over rows: its micro-batch weighs by its share of the rows
             pg_share = token_share if cfg.loss_aggregation == "token_mean" else row_share
             pg_term = pg_loss if cfg.loss_aggregation == "token_mean" else pg_loss * (row_share / token_share)
-            loss = (pg_term - self.ent_coef * entropy) * token_share + cfg.vf_coef * v_loss * row_share
+            loss = (pg_term - bonus) * token_share + cfg.vf_coef * v_loss * row_share
             if not self._backward(loss):
                 finite = False
                 break
@@ -531,6 +533,7 @@ class PPOTrainer:
                 ("ppo/policy_loss", pg_loss, pg_share),
                 ("ppo/value_loss", v_loss, row_share),
                 ("ppo/entropy", entropy, token_share),
+                ("ppo/entropy_bonus", bonus, token_share),
                 ("ppo/approx_kl", approx_kl, token_share),
                 ("ppo/clipfrac", clipfrac, token_share),
                 ("ppo/surrogate", surrogate, token_share),
@@ -553,7 +556,7 @@ class PPOTrainer:
         per turn (the action mode's `kl`: exact over the candidates when scoring, the k3 estimate summed over the
         reply when generating),
         and whether the step's objective, the unclipped surrogate mean(ratio x advantage) plus this update's entropy
-        bonus (`ent_coef` x the mean entropy), did not fall below `objective_before`.
+        bonus (`_entropy_bonus_term`), did not fall below `objective_before`.
 
         "Below" allows 0.1% of the mean |advantage|: under bf16 a tiny step moves log-probs by rounding as much as
         by the step, and a stricter test rejected such steps at random, halving the step size each time.
@@ -566,7 +569,7 @@ class PPOTrainer:
         features: torch.Tensor | None = None
         for part in self._micro(data.groups, index):
             with self._head_inputs(keep) as seen:
-                now = self._evaluate(data, part, with_entropy=bool(self.ent_coef))
+                now = self._evaluate(data, part, with_entropy=self._entropy_weights is not None)
             if keep:
                 dists[part, : now.dists.shape[1]] = now.dists
                 features = self._spread(features, seen, data.groups, part, len(dists))
@@ -575,8 +578,8 @@ class PPOTrainer:
             kls.append(data.mode.kl(data, part, now))
             part_advantages = data.advantages[part].unsqueeze(-1).expand_as(old)
             objective = _surrogate(logprobs, old, part_advantages, part_mask)
-            if self.ent_coef:
-                objective = objective + self.ent_coef * ppo.masked_mean(now.entropy, part_mask)
+            if self._entropy_weights is not None:
+                objective = objective + self._entropy_bonus_term(now.entropy, part, part_mask)
             objective_after += float(objective * part_mask.sum() / tokens)
         kl = torch.cat(kls)
         if keep:
@@ -606,10 +609,10 @@ class PPOTrainer:
         return ppo.repeated_input_weights(shared, power)[start : start + len(groups)].to(device)
 
     def _entropy_bonus(self, data: UpdateBatch, equal: bool) -> dict[str, float]:
-        """Set this update's entropy bonus weight `ent_coef`: the configured one plus the entropy floor's, adapted to
-        the batch's mean entropy fraction (`ppo.EntropyFloor`; over every rank's turns, data-parallel). A batch of
-        equal returns gets none: nothing says any action was better, and it takes no policy step.
-        Returns the stats to log."""
+        """Set this update's entropy bonus: the configured `ent_coef` on every turn plus the entropy floor's weight,
+        adapted to the batch's mean entropy fraction (`ppo.EntropyFloor`; over every rank's turns, data-parallel), on
+        the turns whose own entropy fraction is below the floor. A batch of equal returns gets none: nothing says any
+        action was better, and it takes no policy step. Returns the stats to log."""
         fraction = data.mode.entropy_fraction(data) if self.entropy_floor is not None else None
         stats: dict[str, float] = {}
         floor = 0.0
@@ -621,7 +624,22 @@ class PPOTrainer:
             floor = self.entropy_floor.update(stats["ppo/entropy_fraction"])
             stats["ppo/entropy_floor_coef"] = floor
         self.ent_coef = 0.0 if equal else self.config.ent_coef + floor
+        weights = None
+        if self.ent_coef:
+            weights = torch.full_like(data.advantages, self.config.ent_coef)
+            if floor:
+                below = self.entropy_floor.weights(fraction.to(weights))
+                weights = weights + below
+                stats["ppo/entropy_floor_turns"] = float((below > 0).float().mean())
+        self._entropy_weights = weights
         return stats
+
+    def _entropy_bonus_term(self, entropy: torch.Tensor, part: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Rows `part`'s entropy bonus, each token's entropy times its turn's weight (`_entropy_bonus`), averaged over
+        the `mask`ed tokens as the loss averages them (0 when this update has no bonus)."""
+        if self._entropy_weights is None:
+            return entropy.new_zeros(())
+        return ppo.masked_mean(entropy * self._entropy_weights[part].unsqueeze(-1), mask)
 
     def _moved(self) -> None:
         """The weights changed outside an optimizer step (the trust region, the value refit): outputs cached under
