@@ -1,9 +1,10 @@
 """The learning suite: every game x {score, generate} x seeds, trained with llamagym's defaults, evaluated exactly.
 
 Each run builds the game's ready agent with exactly what `Agent(...)` and `PPOConfig(seed=seed)` give by default
-(only the game's hooks differ), plays `--num-envs` envs side by side for `--budget` seconds of training, and
-evaluates the greedy policy exactly before, every `--eval-every` training seconds, and at the end (evaluation time
-is not counted in the budget). Each run is a child process, so its peak RSS is its own.
+(only the game's hooks differ), plays `--num-envs` envs side by side for `--budget` seconds of training (and at
+least `--min-updates` updates), and evaluates the greedy policy exactly before, every `--eval-every` training seconds,
+and at the end (evaluation time is not counted in the budget). Each run is a child process, so its peak RSS is its
+own.
 
 Quick check (about a minute, tiny random model):  python benchmarks/learning_suite.py --quick
 The benchmark (hours at the default budget):       python benchmarks/learning_suite.py
@@ -54,6 +55,9 @@ def parse_args(argv=None):
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     parser.add_argument("--budget", type=float, default=600.0, help="training seconds per run (evaluation excluded)")
     parser.add_argument("--eval-every", type=float, default=60.0, help="training seconds between evaluations")
+    parser.add_argument(
+        "--min-updates", type=int, default=0, help="train past the budget until this many updates (--quick: 1)"
+    )
     parser.add_argument("--num-envs", type=int, default=16, help="envs played side by side (one forward per step)")
     parser.add_argument(
         "--group-size", type=int, default=1, help="K envs start each episode from the same seed (GRPO-style groups)"
@@ -78,10 +82,13 @@ def parse_args(argv=None):
         help="also evaluate greedy policies of the adapter averaged over these numbers of updates, on the same run "
         "(curve: avg<H>_normalised; compares PPOConfig.average_updates without training twice)",
     )
-    parser.add_argument("--quick", action="store_true", help="tiny model, 1 seed, 3 s per run: checks it all works")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny model, 1 seed, 3 s and 1 update per run: checks it all works"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.seeds, args.budget, args.eval_every, args.num_envs = "tiny-random", "0", 3.0, 1e9, 4
+        args.min_updates = max(args.min_updates, 1)  # a slow or shared device still shows an update
         args.output = args.output if args.output != parser.get_default("output") else args.output + "_quick"
     args.games = list(suite.GAMES) if args.games == "all" else [suite.get_game(g).name for g in args.games.split(",")]
     args.modes = args.modes.split(",")
@@ -99,6 +106,8 @@ def parse_args(argv=None):
     args.seeds = [int(s) for s in args.seeds.split(",")]
     if args.group_size < 1:
         parser.error(f"--group-size should be an integer >= 1. Received {args.group_size}.")
+    if args.min_updates < 0:
+        parser.error(f"--min-updates should be an integer >= 0. Received {args.min_updates}.")
     args.overrides = {"ppo": _pairs(parser, "--ppo", args.ppo), "agent": _pairs(parser, "--agent", args.agent)}
     from llamagym import PPOConfig
     from llamagym.models.devices import resolve_device
@@ -236,7 +245,7 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
     progress = tqdm(
         total=round(args.budget), desc=f"{game_name}/{mode}/seed {seed}", unit="s", leave=False, mininterval=5
     )
-    while clock["train"] < args.budget:
+    while clock["train"] < args.budget or clock["updates"] < args.min_updates:
         start = time.perf_counter()
         stats, dones = play_step(agent, envs, observations, reset)
         clock["train"] += time.perf_counter() - start

@@ -69,7 +69,7 @@ def train_trl(game_name: str, seed: int, args, run_record) -> dict:
             episodes = rollout.last_episodes
             invalid_train.append(sum(e.invalid_replies for e in episodes) / max(1, sum(e.turns for e in episodes)))
             log.append({"train": clock["train"], "agent/batch_invalid_action_rate": invalid_train[-1]})
-            if clock["train"] >= args.budget:
+            if clock["train"] >= args.budget and clock["updates"] >= args.min_updates:
                 control.should_training_stop = True
             elif clock["train"] - (curve[-1]["train"] if curve else 0.0) >= args.eval_every:
                 record(model)

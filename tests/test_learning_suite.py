@@ -24,11 +24,12 @@ def test_quick_suite_trains_and_evaluates_every_game_in_both_modes(tmp_path):
     assert {(r["game"], r["mode"]) for r in runs} == {(g, m) for g in suite.GAMES for m in ("score", "generate")}
     for run in runs:
         assert run["curve"][0]["train"] == 0 and run["train_s"] >= 3.0  # before training, then the budget
+        assert run["updates"] >= 1, (run["game"], run["mode"])  # --quick trains past its budget to an update
         assert run["best"] >= max(run["before"], run["final"])
         assert run["peak_rss_gib"] > 0 and run["final_figures"]["random"] < run["final_figures"]["optimal"]
-        if run["updates"]:  # greedy acting uses the averaged adapter: the latest weights are evaluated beside it
-            assert run["final_latest"] == run["curve"][-1]["latest_normalised"]
-            assert run["curve"][-1]["avg2_normalised"] <= 1.0  # and the average over 2 (--also-average)
+        # greedy acting uses the averaged adapter: the latest weights are evaluated beside it
+        assert run["final_latest"] == run["curve"][-1]["latest_normalised"]
+        assert run["curve"][-1]["avg2_normalised"] <= 1.0  # and the average over 2 (--also-average)
     table = (tmp_path / "results.md").read_text()
     assert "| game | mode | seed | before | best | final | latest |" in table and "model: tiny-random" in table
     assert all((tmp_path / f"{game}.png").stat().st_size > 0 for game in suite.GAMES)
@@ -53,6 +54,9 @@ def test_overrides_are_parsed_validated_and_reported():
         learning_suite.parse_args(["--modes", "telepathy"])
     with pytest.raises(SystemExit):
         learning_suite.parse_args(["--group-size", "0"])
+    with pytest.raises(SystemExit):
+        learning_suite.parse_args(["--min-updates", "-1"])
+    assert learning_suite.parse_args(["--quick"]).min_updates == 1 and learning_suite.parse_args([]).min_updates == 0
     with pytest.raises(SystemExit):
         learning_suite.parse_args(["--device", "tpu"])
     assert learning_suite.parse_args(["--also-average", "3,5"]).also_average == [3, 5]
