@@ -375,10 +375,6 @@ class FixedKLController:
     def update(self, current_kl: float, n_steps: int) -> None:
         pass
 
-    def weights(self, fraction: Tensor) -> Tensor:
-        """(N,) the bonus's weight on each turn, from its entropy fraction (N,): `value` below the floor, else 0."""
-        return (fraction < self.floor).to(fraction.dtype) * self.value
-
     def state_dict(self) -> dict[str, float]:
         return {"value": self.value}
 
