@@ -257,8 +257,8 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
             update_s.append(stats["time/update_s"])
             invalid_train.append(stats["agent/batch_invalid_action_rate"])
             log.append({"train": clock["train"], **{key: stats[key] for key in LOGGED if key in stats}})
-        progress.n = min(round(clock["train"]), progress.total)
         progress.set_postfix(updates=clock["updates"], score=f"{curve[-1]['normalised']:.2f}", refresh=False)
+        progress.update(min(round(clock["train"]), progress.total) - progress.n)  # redraws every `mininterval` s
         if clock["train"] - last_eval >= args.eval_every and clock["train"] < args.budget:
             record()
             last_eval = clock["train"]
