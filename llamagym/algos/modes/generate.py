@@ -4,16 +4,30 @@ It chooses by batched sampling from softmax(logits / temperature) (no top-k or t
 distribution it samples from), cutting each reply after its first end-of-turn token. Its input is the prompt and
 the reply; its log-probs are the reply's tokens' (`Policy.forward`), and the KL to the batch's policy is the k3
 estimate summed over the sampled reply, which is noisy: natural steps and the trust region run here only when
-`PPOConfig` asks for them.
+`PPOConfig` asks for them. Sampling keeps what it computed for each reply (its tokens' log-probs, the value at the
+last prompt token) until the weights change, and the update takes its old outputs from there (`recall`).
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from typing import NamedTuple
+
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from ..rollout import Turn, TurnBatch, UpdateBatch, collate, left_pad, select
-from . import ActionMode, Choice, Evaluation
+from . import ActionMode, Choice, Evaluation, Recalled
+
+REMEMBERED_REPLIES = 4096  # sampled replies kept between weight updates (beyond that, the update computes them)
+
+
+class Sampled(NamedTuple):
+    """What sampling computed for one (prompt, reply) input, remembered until the weights change (`actor.memory`)."""
+
+    logprobs: torch.Tensor  # (R,) the reply's tokens' log-probs at the sampling temperature
+    value: torch.Tensor  # () V(s) at the last prompt token
+    features: torch.Tensor  # (H,) the value head's input there (what the value refit regresses on)
 
 
 class GenerateMode(ActionMode):
@@ -24,11 +38,17 @@ class GenerateMode(ActionMode):
     def choose(self, actor, prompts, candidates=None, greedy=False) -> list[Choice]:
         """One reply per prompt, sampled (or greedy) in one `generate` call, cut after the first end-of-turn token
         (`actor.generation`: max_new_tokens, temperature). With `actor.reuse_prefix` the prompts' tokens are run
-        once per distinct prompt, their shared first tokens once for all (`Policy.prefill`)."""
+        once per distinct prompt, their shared first tokens once for all (`Policy.prefill`).
+
+        A sampled reply's tokens' log-probs and the value at its prompt's last token, which sampling computes on the
+        way, are remembered as `Sampled` (`actor.memory`) under the (prompt, reply) input: the update takes them as
+        its old outputs (`recall`) instead of running the turn again. Not greedy replies (they are not trained on),
+        nor with the base sharded (the update then computes every output itself)."""
+        policy = actor.policy
         if actor.reuse_prefix:
-            input_ids, attention_mask, cache = actor.policy.prefill(prompts, actor.pad_token_id)
+            input_ids, attention_mask, cache = policy.prefill(prompts, actor.pad_token_id)
         else:
-            (input_ids, attention_mask), cache = left_pad(prompts, actor.pad_token_id, actor.policy.device), None
+            (input_ids, attention_mask), cache = left_pad(prompts, actor.pad_token_id, policy.device), None
         config = sampling_config(
             actor.generation["max_new_tokens"],
             actor.generation["temperature"],
@@ -36,9 +56,47 @@ class GenerateMode(ActionMode):
             actor.pad_token_id,
             actor.eos_ids,
         )
-        output = actor.policy.generate(input_ids, attention_mask, generation_config=config, past_key_values=cache)
-        rows = output[:, input_ids.shape[1] :].tolist()
-        return [Choice(row[: reply_length(row, actor.eos_ids)]) for row in rows]
+        recorder = None if greedy or policy.sharded else SampledOutputs(policy, input_ids.shape[1])
+        extra = {"logits_processor": LogitsProcessorList([recorder])} if recorder is not None else {}
+        with recorder if recorder is not None else nullcontext():
+            output = policy.generate(
+                input_ids, attention_mask, generation_config=config, past_key_values=cache, **extra
+            )
+        replies = output[:, input_ids.shape[1] :]
+        rows = replies.tolist()
+        choices = [Choice(row[: reply_length(row, actor.eos_ids)]) for row in rows]
+        if recorder is not None:
+            self._keep(actor.memory(self), prompts, choices, *recorder.outputs(replies))
+        return choices
+
+    def _keep(self, memory: dict, prompts, choices, logprobs, values, features) -> None:
+        if len(memory) + len(choices) > REMEMBERED_REPLIES:
+            memory.clear()
+        for i, (prompt, choice) in enumerate(zip(prompts, choices, strict=True)):
+            if choice.response_ids:
+                key = (tuple(prompt), tuple(choice.response_ids))
+                memory[key] = Sampled(logprobs[i, : len(choice.response_ids)], values[i], features[i])
+
+    def recall(self, memory: dict, turns: list[Turn], batch: TurnBatch) -> Recalled:
+        """The outputs sampling remembered for the turns' (prompt, reply) inputs (`memory`: `actor.memory(self)`,
+        so computed with the current weights): an update's old policy where acting already ran it, placed on the
+        response positions of `batch`. Other rows (acted before the last weight change, evicted, or built by hand)
+        are left for the trainer to compute."""
+        found = [memory.get(self.input_key(turn)) for turn in turns]
+        known = torch.tensor([entry is not None for entry in found], dtype=torch.bool)
+        logprobs = torch.zeros(batch.response_mask.shape)
+        values, features = torch.zeros(len(turns)), None
+        for i, (turn, entry) in enumerate(zip(turns, found, strict=True)):
+            if entry is None:
+                continue
+            if features is None:
+                features = torch.zeros(len(turns), entry.features.shape[-1])
+            start = len(turn.prompt_ids)
+            logprobs[i, start : start + len(entry.logprobs)] = entry.logprobs
+            values[i], features[i] = entry.value, entry.features
+        device = batch.input_ids.device
+        features = None if features is None else features.to(device)
+        return Recalled(known.to(device), logprobs.to(device), values.to(device), None, features)
 
     def input_key(self, turn: Turn) -> tuple:
         """The prompt and the reply."""
@@ -84,3 +142,52 @@ def sampling_config(
 def reply_length(tokens: list[int], eos_ids: set[int]) -> int:
     """How many of the generated `tokens` are the reply: up to and including the first end token (else all)."""
     return next((i + 1 for i, token in enumerate(tokens) if token in eos_ids), len(tokens))
+
+
+class SampledOutputs(LogitsProcessor):
+    """What a sampling `generate` call computes on the way, kept for the update: each sampled token's log-prob under
+    softmax(logits / temperature), and the value head's input at each prompt's last token (the decoder's output at
+    the call's first position to predict from).
+
+    As a logits processor it sees each step's logits before the temperature (custom processors run before the
+    warpers) and the tokens sampled so far: the log-probs of one step are kept until its token is known. Use as a
+    context manager around the call (it hooks the decoder while inside), then `outputs(replies)`.
+    """
+
+    def __init__(self, policy, prompt_length: int):
+        self.policy = policy
+        self.temperature = policy.temperature
+        self.prompt_length = prompt_length
+        self.steps: list[torch.Tensor] = []  # (B,) the log-prob of each step's sampled token
+        self.pending: torch.Tensor | None = None  # (B, V) the last step's log-probs, until its token is sampled
+        self.features: torch.Tensor | None = None
+        self._hook = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.pending is not None and input_ids.shape[1] > self.prompt_length + len(self.steps):
+            self.steps.append(self.pending.gather(1, input_ids[:, -1:]).squeeze(1))
+        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def _first_output(self, module, args, output) -> None:
+        if self.features is None:
+            self.features = output[0][:, -1].detach()
+
+    def __enter__(self):
+        self._hook = self.policy.causal_lm().get_decoder().register_forward_hook(self._first_output)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hook.remove()
+
+    @torch.no_grad()
+    def outputs(self, replies: torch.Tensor):
+        """(B, R) log-probs of the `replies`' (B, R) tokens (after a reply's end: whatever was sampled there), the
+        values (B,) and the value head's inputs (B, H), on the CPU."""
+        steps = list(self.steps)
+        if self.pending is not None and len(steps) < replies.shape[1]:
+            steps.append(self.pending.gather(1, replies[:, len(steps), None]).squeeze(1))
+        logprobs = torch.stack(steps, dim=1)[:, : replies.shape[1]]
+        features = self.features.float()
+        values = self.policy.value_head(features)
+        return logprobs.cpu(), values.float().cpu(), features.cpu()
