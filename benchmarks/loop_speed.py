@@ -1,16 +1,17 @@
 """A training loop's time per batch, acting and updating apart, of this checkout against another, side by side.
 
 Each side runs in its own process with its tree first on PYTHONPATH: the learning suite's loop (`--game`, `--mode`
-(scoring by default), 16 envs, the embedded model, the library's defaults, seed `--seed`) until `--updates` updates
-are done, and prints the seconds spent acting (everything in the loop but `trainer.step`) and updating
-(`time/update_s`) for each batch. On a CPU that runs fp32 both sides compute the same numbers to the last bits (or
-to rounding, for a change that reorders sums) and play the same batches (check the printed batch returns), so the
-times compare like for like. The sides alternate `--rounds` times, so drift of the machine falls on both; the
-figures are the ratios of the mean times per batch.
+(scoring by default), 16 envs, the embedded model, the library's defaults, seed `--seed`, `--precision` as the
+agent's) until `--updates` updates are done, and prints the seconds spent acting (everything in the loop but
+`trainer.step`) and updating (`time/update_s`) for each batch. In fp32 (a CPU without native bf16, or `--precision
+fp32`) both sides compute the same numbers to the last bits (or to rounding, for a change that reorders sums) and
+play the same batches (check the printed batch returns), so the times compare like for like. The sides alternate
+`--rounds` times, so drift of the machine falls on both; the figures are the ratios of the mean times per batch.
 
     git worktree add /tmp/old <commit>   # or: git archive <commit> | tar -x -C /tmp/old
     python benchmarks/loop_speed.py --against /tmp/old --game guess_number
     python benchmarks/loop_speed.py --against /tmp/old --game guess_number --mode generate --updates 2
+    python benchmarks/loop_speed.py --against /tmp/old --mode generate --precision fp32   # an fp32 CPU's path
 """
 
 import json
@@ -20,7 +21,7 @@ from pathlib import Path
 from side_by_side import ROOT, cpu_line, parse, parser, run_side  # beside this file
 
 
-def measure(game_name: str, mode: str, seed: int, updates: int, threads: int) -> None:
+def measure(game_name: str, mode: str, seed: int, updates: int, threads: int, precision: str) -> None:
     """One side: the loop until `updates` updates; prints one JSON line of per-batch seconds and returns."""
     import random
 
@@ -39,7 +40,8 @@ def measure(game_name: str, mode: str, seed: int, updates: int, threads: int) ->
     game = suite.get_game(game_name)
     model, tokenizer = load_model_and_tokenizer("smollm2-135m-instruct", device="cpu")
     envs = [gym.make(game.env_id) for _ in range(16)]
-    agent = make_agent(game, model, tokenizer, envs[0].action_space, mode, PPOConfig(seed=seed))
+    config = PPOConfig(seed=seed)
+    agent = make_agent(game, model, tokenizer, envs[0].action_space, mode, config, precision=precision)
     seeds = iter(range(seed * 1_000_003, 2**62))  # one fresh seed per episode, in the order episodes start
 
     def reset(i: int):
@@ -62,6 +64,7 @@ def measure(game_name: str, mode: str, seed: int, updates: int, threads: int) ->
 
 def side(tree: Path, args) -> dict:
     arguments = ["--game", args.game, "--mode", args.mode, "--seed", str(args.seed), "--updates", str(args.updates)]
+    arguments += ["--precision", args.precision]
     return json.loads(run_side(__file__, tree, [*arguments, "--threads", str(args.threads)], "RESULT"))
 
 
@@ -71,11 +74,13 @@ def main() -> None:
     p.add_argument("--mode", default="score", choices=["score", "generate"], help="the agent's action mode")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--updates", type=int, default=6, help="updates (batches) per run")
+    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"], help="the policy's (Agent)")
     args = parse(p)
     if args.child:
-        return measure(args.game, args.mode, args.seed, args.updates, args.threads)
+        return measure(args.game, args.mode, args.seed, args.updates, args.threads, args.precision)
     print(cpu_line(args.threads))
-    print(f"{args.game}, {args.mode} mode, seed {args.seed}, {args.updates} batches per run; seconds per batch:")
+    print(f"{args.game}, {args.mode} mode, seed {args.seed}, precision {args.precision}, {args.updates} batches a run;")
+    print("seconds per batch:")
     print("acting | updating")
     times = {name: {"acting": [], "updating": []} for name in ("this", "other")}
     for _ in range(args.rounds):

@@ -68,6 +68,13 @@ def test_greedy_replies_are_not_remembered_and_a_weight_change_forgets_the_sampl
     assert agent.actor.memory(MODES["generate"]) == {}
 
 
+def test_in_bf16_nothing_is_remembered_the_update_computes_its_old_outputs(model, tokenizer, lora_config):
+    agent = make_agent(model, tokenizer, lora_config)
+    agent.policy.precision = "bf16"  # decoding steps and the update's forward then differ by more than rounding
+    agent.act(0)
+    assert agent.actor.memory(MODES["generate"]) == {}
+
+
 def test_an_update_takes_the_old_outputs_sampling_computed_and_runs_only_the_turns_it_lacks(
     model, tokenizer, lora_config, monkeypatch
 ):
