@@ -1,8 +1,9 @@
-"""Small Gymnasium envs, and an agent that plays them, shared by the tests."""
+"""Small Gymnasium envs, an agent that plays them, and a watch on an update's old outputs, shared by the tests."""
 
 import gymnasium as gym
 
 from llamagym import Agent
+from llamagym.algos.trainer import PPOTrainer
 
 
 class CountingEnv(gym.Env):
@@ -38,3 +39,28 @@ class YesNoAgent(Agent):
     def extract_action(self, response):
         words = response.lower().split()
         return 1 if "yes" in words else 0 if "no" in words else None
+
+
+def watch_old_outputs(monkeypatch) -> tuple[list, list]:
+    """Patch `PPOTrainer` so that each update's old outputs are also computed without what acting remembered.
+
+    Returns (compared, rows_run): `compared` gets (recalled, fresh, used) per `_score` call (what acting remembered, all
+    outputs computed again, what the update used); `rows_run` the rows of each forward since the last `_score` began
+    its used pass (the rows the update ran itself come first)."""
+    compared, rows_run = [], []
+    score, evaluate = PPOTrainer._score, PPOTrainer._evaluate
+
+    def both_ways(trainer, data, plan, reference, recalled=None):
+        fresh = score(trainer, data, plan, reference)
+        rows_run.clear()
+        used = score(trainer, data, plan, reference, recalled)
+        compared.append((recalled, fresh, used))
+        return used
+
+    def counted(trainer, data, part, *args, **kwargs):
+        rows_run.append(len(part))
+        return evaluate(trainer, data, part, *args, **kwargs)
+
+    monkeypatch.setattr(PPOTrainer, "_score", both_ways)
+    monkeypatch.setattr(PPOTrainer, "_evaluate", counted)
+    return compared, rows_run

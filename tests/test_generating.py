@@ -8,6 +8,7 @@ from llamagym.algos.modes import MODES
 from llamagym.algos.rollout import Turn, collate
 from llamagym.algos.trainer import PPOTrainer
 from llamagym.models.policy import Policy
+from tests.envs import watch_old_outputs
 
 
 class TextAgent(Agent):
@@ -79,22 +80,7 @@ def test_an_update_takes_the_old_outputs_sampling_computed_and_runs_only_the_tur
     model, tokenizer, lora_config, monkeypatch
 ):
     agent = make_agent(model, tokenizer, lora_config)
-    compared, rows_run = [], []
-    score, evaluate = PPOTrainer._score, PPOTrainer._evaluate
-
-    def both_ways(trainer, data, plan, reference, recalled=None):  # what the update used, beside all recomputed
-        fresh = score(trainer, data, plan, reference)
-        rows_run.clear()
-        used = score(trainer, data, plan, reference, recalled)
-        compared.append((recalled, fresh, used))
-        return used
-
-    def counted(trainer, data, part, *args, **kwargs):
-        rows_run.append(len(part))
-        return evaluate(trainer, data, part, *args, **kwargs)
-
-    monkeypatch.setattr(PPOTrainer, "_score", both_ways)
-    monkeypatch.setattr(PPOTrainer, "_evaluate", counted)
+    compared, rows_run = watch_old_outputs(monkeypatch)
     torch.manual_seed(0)
     for observations in ([0, 1], [2, 3]):
         for observation in observations:

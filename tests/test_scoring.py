@@ -9,7 +9,7 @@ from llamagym.algos.rollout import Episode, Turn, collate, collate_scored
 from llamagym.algos.trainer import PPOTrainer
 from llamagym.config import PPOConfig
 from llamagym.models.policy import Policy
-from tests.envs import YesNoAgent
+from tests.envs import YesNoAgent, watch_old_outputs
 
 PROMPTS = [[257, 50, 51, 256, 259], [257, 52, 256, 258, 53, 256, 259]]
 CANDIDATES = [[[60, 61, 256], [70, 256]], [[80, 256], [81, 82, 83, 256], [84, 256]]]
@@ -164,22 +164,7 @@ def test_an_update_takes_the_old_outputs_acting_computed_and_runs_only_the_input
 ):
     config = PPOConfig(batch_size=2, min_batch_turns=0, seed=0)
     agent = YesNoAgent(model, tokenizer, "cpu", ppo_config=config, lora_config=lora_config, precision="fp32")
-    compared, rows_run = [], []
-    score, evaluate = PPOTrainer._score, PPOTrainer._evaluate
-
-    def both_ways(trainer, data, plan, reference, recalled=None):  # what the update used, beside all recomputed
-        fresh = score(trainer, data, plan, reference)
-        rows_run.clear()
-        used = score(trainer, data, plan, reference, recalled)
-        compared.append((recalled, fresh, used))
-        return used
-
-    def counted(trainer, data, part, *args, **kwargs):
-        rows_run.append(len(part))
-        return evaluate(trainer, data, part, *args, **kwargs)
-
-    monkeypatch.setattr(PPOTrainer, "_score", both_ways)
-    monkeypatch.setattr(PPOTrainer, "_evaluate", counted)
+    compared, rows_run = watch_old_outputs(monkeypatch)
     for observations in ([0, 1], [0, 2]):
         for observation in observations:
             agent.act(observation)
