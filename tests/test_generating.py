@@ -5,7 +5,7 @@ import torch
 
 from llamagym import Agent, PPOConfig
 from llamagym.algos.modes import MODES
-from llamagym.algos.rollout import Turn, collate
+from llamagym.algos.rollout import Episode, Turn, collate
 from llamagym.algos.trainer import PPOTrainer
 from llamagym.models.policy import Policy
 from tests.envs import watch_old_outputs
@@ -24,7 +24,7 @@ class TextAgent(Agent):
 
 def make_agent(model, tokenizer, lora_config, **kwargs):
     config = PPOConfig(batch_size=2, min_batch_turns=0, mini_batch_size=2, ppo_epochs=1, seed=0)
-    return TextAgent(
+    agent = TextAgent(
         model,
         tokenizer,
         "cpu",
@@ -35,6 +35,9 @@ def make_agent(model, tokenizer, lora_config, **kwargs):
         action_mode="generate",
         **kwargs,
     )
+    with torch.no_grad():  # the head starts at zero: random weights, so that values differ and their checks can fail
+        agent.policy.value_head.linear.weight.normal_(generator=torch.Generator().manual_seed(0))
+    return agent
 
 
 @pytest.mark.parametrize("reuse_prefix", [True, False])
@@ -99,18 +102,8 @@ def test_an_update_takes_the_old_outputs_sampling_computed_and_runs_only_the_tur
 
 
 def test_turns_built_by_hand_are_computed_by_the_update(model, lora_config):
-    turns = [Turn([1, 2, 3], [4, 5]), Turn([1, 2], [6])]
+    turns = [Turn([1, 2, 3], [4, 5], reward=1.0), Turn([1, 2], [6], reward=1.0)]
     recalled = MODES["generate"].recall({}, turns, collate(turns, 0))
     assert recalled.known.tolist() == [False, False] and recalled.features is None
     trainer = PPOTrainer(Policy(model, lora_config), PPOConfig(batch_size=1, min_batch_turns=0), 0)
-    assert "ppo/policy_loss" in trainer.step([_episode(turns)], acted=lambda mode: {})
-
-
-def _episode(turns):
-    from llamagym.algos.rollout import Episode
-
-    episode = Episode()
-    for turn in turns:
-        turn.reward = 1.0
-        episode.turns.append(turn)
-    return episode
+    assert "ppo/policy_loss" in trainer.step([Episode(turns)], acted=lambda mode: {})
