@@ -93,6 +93,18 @@ def test_http_errors_and_unreachable_servers_are_clear(stub_server):
         openai_chat(f"http://127.0.0.1:{port}/v1", "m", timeout=5)([{"role": "user", "content": "hi"}])
 
 
+def test_a_policy_lists_what_it_replied_in_each_state_once():
+    answers = iter(["yes", "I am not sure.", "yes"])
+    decide = TextPolicy(lambda messages: next(answers), YesNoAgent)
+    steps_evaluate(decide)
+    assert decide([[0], [0, 1]]) == [1, 0]  # asked again: remembered, not asked twice
+    assert decide.replies() == [
+        ((0,), "yes", 1, True),
+        ((0, 1), "I am not sure.", 0, False),  # unparsable: the fallback action was played
+        ((0, 1, 2), "yes", 1, True),
+    ]
+
+
 def test_text_policy_keeps_only_context_turns_exchanges():
     seen = []
 

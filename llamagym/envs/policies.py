@@ -47,6 +47,12 @@ class _Replayed:
         """Whether each path's reply named a valid action (asked after `__call__`)."""
         return [self._done[self._key(path)][2] for path in paths]
 
+    def replies(self) -> list[tuple[Any, str, Any, bool]]:
+        """What the policy said, to read after an evaluation: for each distinct path asked so far, in the order
+        asked, (its key: the last observation for a Markov policy, else the whole path; the reply; the action played;
+        whether the reply named one, else the fallback was played)."""
+        return [(key, said[-1]["content"], action, valid) for key, (said, action, valid) in self._done.items()]
+
 
 class AgentPolicy(_Replayed):
     """The greedy policy of an `Agent` as a decider: its prompts and conversation, one batched call per turn.
