@@ -67,6 +67,14 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cpu", help="cpu (the targets' machine) | cuda | auto")
     parser.add_argument("--ppo", nargs="*", default=[], metavar="KEY=VALUE", help="PPOConfig overrides")
     parser.add_argument("--agent", nargs="*", default=[], metavar="KEY=VALUE", help="Agent(...) overrides")
+    parser.add_argument(
+        "--replay", nargs="*", default=[], metavar="KEY=VALUE", help="ReplayConfig overrides (the SFT warm-start)"
+    )
+    parser.add_argument(
+        "--keep-agents",
+        action="store_true",
+        help="save each run's final agent (Agent.save) under OUTPUT/agents/<game>-<mode>-seed<seed>, to probe later",
+    )
     parser.add_argument("--output", default="benchmarks/results/learning_suite", help="output folder")
     parser.add_argument(
         "--trainer",
@@ -108,14 +116,22 @@ def parse_args(argv=None):
         parser.error(f"--group-size should be an integer >= 1. Received {args.group_size}.")
     if args.min_updates < 0:
         parser.error(f"--min-updates should be an integer >= 0. Received {args.min_updates}.")
-    args.overrides = {"ppo": _pairs(parser, "--ppo", args.ppo), "agent": _pairs(parser, "--agent", args.agent)}
-    from llamagym import PPOConfig
+    args.overrides = {
+        "ppo": _pairs(parser, "--ppo", args.ppo),
+        "agent": _pairs(parser, "--agent", args.agent),
+        "replay": _pairs(parser, "--replay", args.replay),
+    }
+    from llamagym import PPOConfig, ReplayConfig
     from llamagym.models.devices import resolve_device
 
     try:
         PPOConfig(**args.overrides["ppo"])
     except (TypeError, ValueError) as err:
         parser.error(f"--ppo: {err}")
+    try:
+        ReplayConfig(**args.overrides["replay"])
+    except (TypeError, ValueError) as err:
+        parser.error(f"--replay: {err}")
     try:
         resolve_device(args.device)
     except ValueError as err:
@@ -194,7 +210,7 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
     import torch
     from tqdm import tqdm
 
-    from llamagym import PPOConfig, load_model_and_tokenizer
+    from llamagym import PPOConfig, ReplayConfig, load_model_and_tokenizer
     from llamagym.algos.averaging import WeightAverage
 
     torch.set_num_threads(args.threads)
@@ -205,7 +221,10 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
     model, tokenizer = load_model_and_tokenizer(args.model, device=args.device)
     envs = [gym.make(game.env_id) for _ in range(args.num_envs)]
     ppo_config = PPOConfig(**{"seed": seed, **args.overrides["ppo"]})
-    agent = make_agent(game, model, tokenizer, envs[0].action_space, mode, ppo_config, **args.overrides["agent"])
+    agent_kwargs = dict(args.overrides["agent"])
+    if args.overrides["replay"]:
+        agent_kwargs["replay_config"] = ReplayConfig(**args.overrides["replay"])
+    agent = make_agent(game, model, tokenizer, envs[0].action_space, mode, ppo_config, **agent_kwargs)
 
     curve, clock = [], {"train": 0.0, "eval": 0.0, "updates": 0, "episodes": 0}
     also = {h: WeightAverage(agent.trainer.lm_params, h) for h in args.also_average}  # --also-average
@@ -264,6 +283,9 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
             last_eval = clock["train"]
     progress.close()
     final = record()
+    if args.keep_agents:  # the running episodes are dropped: the saved agent is the trained one, ready to probe
+        agent.abort_episodes()
+        agent.save(Path(args.output) / "agents" / f"{game.name}-{mode}-seed{seed}")
     s_per_update = float(np.mean(update_s)) if update_s else None
     result = run_record(game, mode, seed, curve, final, clock, invalid_train, s_per_update, log)
     if model.device.type == "cuda":

@@ -1,11 +1,13 @@
 """`benchmarks/learning_suite.py --quick` runs every game in both modes end to end and writes its three outputs."""
 
+import importlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import gymnasium as gym
 import pytest
 
 import llamagym.envs as suite
@@ -17,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_quick_suite_trains_and_evaluates_every_game_in_both_modes(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "benchmarks/learning_suite.py", "--quick", "--threads", "1", "--output", str(tmp_path)]
-    cmd += ["--also-average", "2"]
+    cmd += ["--also-average", "2", "--keep-agents", "--replay", "sft_steps=1"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
@@ -33,15 +35,41 @@ def test_quick_suite_trains_and_evaluates_every_game_in_both_modes(tmp_path):
     table = (tmp_path / "results.md").read_text()
     assert "| game | mode | seed | before | best | final | latest |" in table and "model: tiny-random" in table
     assert all((tmp_path / f"{game}.png").stat().st_size > 0 for game in suite.GAMES)
+    assert "'replay': {'sft_steps': 1}" in table
+    kept = sorted(p.name for p in (tmp_path / "agents").iterdir())
+    assert kept == sorted(f"{r['game']}-{r['mode']}-seed0" for r in runs)
 
 
-def load_benchmark():
+@pytest.mark.slow
+def test_greedy_replies_lists_what_a_kept_agent_says_in_every_state(tmp_path, capsys):
+    """`greedy_replies.py` reads an agent saved as `--keep-agents` saves it, and lists one reply per state asked."""
+    from llamagym import load_model_and_tokenizer
+
+    learning_suite, greedy_replies = load_benchmark(), load_benchmark("greedy_replies")
+    game = suite.get_game("guess_number")
+    model, tokenizer = load_model_and_tokenizer("tiny-random")
+    space = gym.make(game.env_id).action_space
+    agent = learning_suite.make_agent(game, model, tokenizer, space, "generate", None)
+    agent.save(tmp_path / "agent")
+    common = ["--game", "guess_number", "--model", "tiny-random", "--threads", "1", "--envs", "2"]
+    greedy_replies.main([*common, "--agent", str(tmp_path / "agent"), "--all", "--calls", "1"])
+    out = capsys.readouterr().out
+    asked = int(out.split(" distinct states asked")[0].rsplit("\n", 1)[-1])
+    rows = [line for line in out.splitlines() if line.startswith("| ((16, ")]
+    assert asked == len(rows) >= 5  # every state of the play-out once, at least the first guess's and its 4 next
+    assert "Greedy replies' text: median" in out and "s a call; replies: median" in out
+    sampled = [line for line in out.splitlines() if line.startswith("- ") and " -> " in line]
+    assert len(sampled) == 2  # the first call's replies, with the action each played
+    with pytest.raises(SystemExit):
+        greedy_replies.parse_args([*common, "--agent", str(tmp_path / "missing")])
+
+
+def load_benchmark(name: str = "learning_suite"):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import learning_suite
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
-    return learning_suite
 
 
 def test_overrides_are_parsed_validated_and_reported():
@@ -61,6 +89,9 @@ def test_overrides_are_parsed_validated_and_reported():
         learning_suite.parse_args(["--device", "tpu"])
     assert learning_suite.parse_args(["--also-average", "3,5"]).also_average == [3, 5]
     assert learning_suite.parse_args([]).also_average == []
+    assert learning_suite.parse_args(["--replay", "sft_steps=4"]).overrides["replay"] == {"sft_steps": 4}
+    with pytest.raises(SystemExit):
+        learning_suite.parse_args(["--replay", "sft_steps=-1"])
     for bad in ("0", "three"):
         with pytest.raises(SystemExit):
             learning_suite.parse_args(["--also-average", bad])
