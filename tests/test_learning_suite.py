@@ -40,9 +40,8 @@ def test_quick_suite_trains_and_evaluates_every_game_in_both_modes(tmp_path):
     assert kept == sorted(f"{r['game']}-{r['mode']}-seed0" for r in runs)
 
 
-@pytest.mark.slow
 def test_greedy_replies_lists_what_a_kept_agent_says_in_every_state(tmp_path, capsys):
-    """`greedy_replies.py` reads an agent saved as `--keep-agents` saves it, and lists one reply per state asked."""
+    """`greedy_replies.py` reads an agent saved the way `--keep-agents` saves it, and lists one reply per state."""
     from llamagym import load_model_and_tokenizer
 
     learning_suite, greedy_replies = load_benchmark(), load_benchmark("greedy_replies")
