@@ -124,14 +124,11 @@ def parse_args(argv=None):
     from llamagym import PPOConfig, ReplayConfig
     from llamagym.models.devices import resolve_device
 
-    try:
-        PPOConfig(**args.overrides["ppo"])
-    except (TypeError, ValueError) as err:
-        parser.error(f"--ppo: {err}")
-    try:
-        ReplayConfig(**args.overrides["replay"])
-    except (TypeError, ValueError) as err:
-        parser.error(f"--replay: {err}")
+    for key, config in (("ppo", PPOConfig), ("replay", ReplayConfig)):
+        try:
+            config(**args.overrides[key])
+        except (TypeError, ValueError) as err:
+            parser.error(f"--{key}: {err}")
     try:
         resolve_device(args.device)
     except ValueError as err:
