@@ -235,7 +235,11 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
         if average is not None and average.mean is not None:  # side by side: the greedy policy of the latest weights
             with agent.trainer.latest_weights():
                 latest = suite.evaluate(game, agent)
-            point.update(latest_normalised=latest["normalised"], latest_score=latest["score"])
+            point.update(
+                latest_normalised=latest["normalised"],
+                latest_score=latest["score"],
+                latest_invalid=latest.get("invalid_rate"),
+            )
         for horizon, other in also.items():
             if other.mean is not None:
                 with agent.trainer.greedy_average(other):

@@ -31,6 +31,7 @@ def test_quick_suite_trains_and_evaluates_every_game_in_both_modes(tmp_path):
         assert run["peak_rss_gib"] > 0 and run["final_figures"]["random"] < run["final_figures"]["optimal"]
         # greedy acting uses the averaged adapter: the latest weights are evaluated beside it
         assert run["final_latest"] == run["curve"][-1]["latest_normalised"]
+        assert 0.0 <= run["curve"][-1]["latest_invalid"] <= 1.0  # its invalid replies too
         assert run["curve"][-1]["avg2_normalised"] <= 1.0  # and the average over 2 (--also-average)
     table = (tmp_path / "results.md").read_text()
     assert "| game | mode | seed | before | best | final | latest |" in table and "model: tiny-random" in table
