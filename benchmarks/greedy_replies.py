@@ -81,7 +81,7 @@ def main(argv=None) -> None:
     shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()}
     print(f"## The greedy policy, evaluated exactly\n\n{shown}\n")
     replies = decider.replies()
-    unread = [r for r in replies if not r[3]]
+    unread = [(key, reply, action, valid) for key, reply, action, valid in replies if not valid]
     print(f"{len(replies)} distinct states asked, {len(unread)} replies naming no action (fallback played).\n")
     print("| state | greedy reply | action | named |\n| --- | --- | --- | --- |")
     for key, reply, action, valid in replies if args.all else unread:
