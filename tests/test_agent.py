@@ -72,6 +72,16 @@ def test_recorded_turns_hold_the_prompt_the_model_saw_and_its_reply(model, token
     assert turn.reward == reward + 0.5
 
 
+def test_a_reply_cut_at_max_new_tokens_is_recorded_as_unfinished(model, tokenizer, lora_config):
+    agent = make_agent(model, tokenizer, lora_config, batch_size=16)
+    agent.act_batch(list(range(16)))
+    turns = [slot.episode.turns[0] for slot in agent.slots]
+    ended = [t.response_ids[-1] in agent.eos_ids for t in turns]
+    assert [t.finished for t in turns] == ended
+    assert all(len(t.response_ids) == 3 for t, end in zip(turns, ended, strict=True) if not end)
+    assert not all(ended)  # the tiny random model seldom ends a reply within 3 tokens
+
+
 class BadReplyAgent(ScriptedAgent):
     def extract_action(self, response):
         raise ValueError("no action in this reply")

@@ -42,13 +42,19 @@ def test_seeded_sampling_is_reproducible():
     assert draw[0] == draw[1]
 
 
-def test_invalid_replies_of_good_episodes_are_never_imitated():
+def test_invalid_and_cut_replies_of_good_episodes_are_never_imitated():
     buffer = SFTReplayBuffer(ReplayConfig(top_fraction=1.0))
-    good = Episode([Turn([1, 1], [2], reward=0.0, valid=False), Turn([1, 2], [3], reward=1.0)])  # fallback paid
+    good = Episode(
+        [
+            Turn([1, 1], [2], reward=0.0, valid=False),  # its fallback paid
+            Turn([1, 2], [3], reward=1.0),
+            Turn([1, 3], [4], reward=0.0, finished=False),  # cut at max_new_tokens: imitating it teaches rambling
+        ]
+    )
     buffer.add_batch([good])
     turns = buffer.sample_turns(50, torch.Generator().manual_seed(0))
     assert {t.prompt_ids[1] for t in turns} == {2}
-    buffer.episodes[0].turns[1].valid = False  # nothing valid left: nothing to imitate
+    buffer.episodes[0].turns[1].valid = False  # nothing valid and finished left: nothing to imitate
     assert buffer.sample_turns(5, torch.Generator().manual_seed(0)) == []
 
 

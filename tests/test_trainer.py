@@ -407,9 +407,11 @@ def test_new_config_fields_are_validated_with_a_message_naming_them(field, value
         PPOConfig(**{field: value})
 
 
-def test_an_invalid_reply_is_never_reinforced_by_what_its_fallback_won(model, lora_config, tokenizer):
-    # two one-turn episodes with the same prompt: the invalid reply's fallback won (+1), the valid reply lost (0);
-    # the advantage of the invalid one is capped at 0, so its log-prob may not rise; a valid winner's does
+@pytest.mark.parametrize("kind", ["invalid", "cut", "valid"])
+def test_an_invalid_or_cut_reply_is_never_reinforced_by_what_it_won(model, lora_config, tokenizer, kind):
+    # two one-turn episodes with the same prompt: the first reply won (+1), the valid reply lost (0). An invalid
+    # reply's fallback won, and a reply cut at max_new_tokens was read before it ended: the advantage of either is
+    # capped at 0, so its log-prob may not rise; a valid, finished winner's does
     prompt, bad, good = [5, 6, 7, 8], [40, 41], [50, 51]
 
     def logprob(trainer, response):
@@ -417,10 +419,14 @@ def test_an_invalid_reply_is_never_reinforced_by_what_its_fallback_won(model, lo
         with torch.no_grad():
             return float(trainer.policy(batch.input_ids, batch.attention_mask, batch.response_mask).logprobs.sum())
 
-    for valid, direction in ((False, -1), (True, 1)):
-        torch.manual_seed(0)
-        trainer = make_trainer(model, lora_config, tokenizer, kl_coef=0.0, adaptive_kl=False, mini_batch_size=2)
-        before = logprob(trainer, bad)
-        stats = trainer.step([Episode([Turn(prompt, bad, 1.0, valid=valid)]), Episode([Turn(prompt, good, 0.0)])])
-        assert stats["adv/invalid_capped"] == (0.0 if valid else 0.5)
-        assert direction * (logprob(trainer, bad) - before) > 0
+    torch.manual_seed(0)
+    trainer = make_trainer(model, lora_config, tokenizer, kl_coef=0.0, adaptive_kl=False, mini_batch_size=2)
+    before = logprob(trainer, bad)
+    first = Turn(prompt, bad, 1.0, valid=kind != "invalid", finished=kind != "cut")
+    stats = trainer.step([Episode([first]), Episode([Turn(prompt, good, 0.0)])])
+    assert (stats["adv/invalid_capped"], stats["adv/cut_capped"]) == {
+        "invalid": (0.5, 0.0),
+        "cut": (0.0, 0.5),
+        "valid": (0.0, 0.0),
+    }[kind]
+    assert (-1 if kind != "valid" else 1) * (logprob(trainer, bad) - before) > 0

@@ -31,6 +31,7 @@ class Turn:
     candidates: list[list[int]] | None = None  # scoring mode: token ids of each candidate reply
     choice: int | None = None  # scoring mode: index of the chosen candidate
     mode: str | None = None  # the action mode that took it (`modes.MODES`); None: told apart by `candidates`
+    finished: bool = True  # False when a generated reply was cut at `max_new_tokens`, before its end-of-turn token
 
 
 @dataclass

@@ -59,8 +59,10 @@ class SFTReplayBuffer:
 
         The agent's own turns whose reply named no valid action are never drawn: a good episode may hold one (its
         fallback action happened to pay), and imitating it teaches the model to reply in a form that cannot be read.
+        Nor are generated replies cut at `max_new_tokens` (`Turn.finished`): imitating one teaches the model to go on
+        past its answer, never to end the reply.
         """
-        own = [turn for episode in self.episodes for turn in episode.turns if turn.valid]
+        own = [turn for episode in self.episodes for turn in episode.turns if turn.valid and turn.finished]
         demos = [turn for episode in self.demos for turn in episode.turns]
         if not own and not demos:
             return []

@@ -208,11 +208,14 @@ class PPOTrainer:
             else:
                 advantages = ppo.scale_advantages(advantages, cfg.advantage_scale, self.return_moments.std)
         # an invalid reply named no action: the fallback chose what followed, so the reply never gets positive credit
-        # for it (else a fallback that happens to pay teaches the model to reply in a form that cannot be read)
+        # for it (else a fallback that happens to pay teaches the model to reply in a form that cannot be read); nor
+        # does a reply cut at max_new_tokens, read before it ended (else a paying one teaches the model to ramble on)
         local = advantages[mine]
         invalid = torch.tensor([not t.valid for t in turns], device=local.device)
+        cut = torch.tensor([not t.finished for t in turns], device=local.device) & ~invalid
         spread["adv/invalid_capped"] = float((invalid & (local > 0)).sum()) / len(turns)
-        local = torch.where(invalid, local.clamp(max=0.0), local)
+        spread["adv/cut_capped"] = float((cut & (local > 0)).sum()) / len(turns)
+        local = torch.where(invalid | cut, local.clamp(max=0.0), local)
         power = mode.repeated_input_power if cfg.repeated_input_power is None else cfg.repeated_input_power
         if power:  # scaled after the estimator: the weights shrink what a turn moves, not its return
             local = local * self._repeated_input_weights(data.groups, power, local.device)
