@@ -69,6 +69,9 @@ class PPOConfig:
     # None = off
     entropy_floor_step: float = 0.002  # how much that bonus's weight rises (or falls, above the floor) per update
     max_grad_norm: float = 1.0  # global gradient-norm clip (with natural_gradient: of the adapter step itself)
+    cap_cut_replies: bool = True  # a generated reply cut at max_new_tokens, before its end token, never gets positive
+    # credit nor is imitated (it was read before it ended: else paying rambles teach the model never to end a reply);
+    # False for replies meant to be cut, e.g. one-token answers with max_new_tokens=1
     whiten_advantages: bool = True  # center advantages on the batch's mean and divide them by `advantage_scale`
     advantage_scale: str = (
         "returns"  # whitening divides by: "batch" (this batch's advantage std), "returns" (the std of
@@ -133,6 +136,7 @@ class PPOConfig:
                 "entropy_floor": (lambda v: v is None or (_num(v) and 0 < v < 1), "None (off) or a number in (0, 1)"),
                 "entropy_floor_step": positive,
                 "max_grad_norm": positive,
+                "cap_cut_replies": (lambda v: isinstance(v, bool), "True or False"),
                 "whiten_advantages": (lambda v: isinstance(v, bool), "True or False"),
                 "advantage_scale": (lambda v: v in ADVANTAGE_SCALES, f"one of {', '.join(ADVANTAGE_SCALES)}"),
                 "repeated_input_power": (lambda v: v is None or unit[0](v), "None or a number in the interval [0, 1]"),

@@ -43,6 +43,7 @@ def bandit_config(advantage="gae") -> PPOConfig:
         gamma=1.0,
         lam=0.95,
         advantage=advantage,
+        cap_cut_replies=False,  # one-letter replies, cut at max_new_tokens=1 by design
     )
 
 

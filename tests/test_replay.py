@@ -54,6 +54,8 @@ def test_invalid_and_cut_replies_of_good_episodes_are_never_imitated():
     buffer.add_batch([good])
     turns = buffer.sample_turns(50, torch.Generator().manual_seed(0))
     assert {t.prompt_ids[1] for t in turns} == {2}
+    kept = buffer.sample_turns(50, torch.Generator().manual_seed(0), skip_cut=False)  # replies meant to be cut
+    assert {t.prompt_ids[1] for t in kept} == {2, 3}
     buffer.episodes[0].turns[1].valid = False  # nothing valid and finished left: nothing to imitate
     assert buffer.sample_turns(5, torch.Generator().manual_seed(0)) == []
 

@@ -400,6 +400,7 @@ def test_policy_loss_options_default_to_none_and_dr_grpo_uses_the_longest_reply(
         ("loss_aggregation", "sum", "one of token_mean, sequence_mean, dr_grpo"),
         ("group_std_scaling", 1, "True or False"),
         ("advantage", "ppo", "one of gae, grpo, rloo, rebn, gigpo"),
+        ("cap_cut_replies", 0, "True or False"),
     ],
 )
 def test_new_config_fields_are_validated_with_a_message_naming_them(field, value, accepted):
@@ -407,11 +408,12 @@ def test_new_config_fields_are_validated_with_a_message_naming_them(field, value
         PPOConfig(**{field: value})
 
 
-@pytest.mark.parametrize("kind", ["invalid", "cut", "valid"])
-def test_an_invalid_or_cut_reply_is_never_reinforced_by_what_it_won(model, lora_config, tokenizer, kind):
+@pytest.mark.parametrize("kind", ["invalid", "cut", "valid", "cut, cap_cut_replies=False"])
+def test_an_invalid_or_cut_reply_is_never_reinforced_by_what_it_won(model, lora_config, tokenizer, kind, caplog):
     # two one-turn episodes with the same prompt: the first reply won (+1), the valid reply lost (0). An invalid
     # reply's fallback won, and a reply cut at max_new_tokens was read before it ended: the advantage of either is
-    # capped at 0, so its log-prob may not rise; a valid, finished winner's does
+    # capped at 0, so its log-prob may not rise; a valid, finished winner's does, and so does a cut one when cut
+    # replies are meant (cap_cut_replies=False)
     prompt, bad, good = [5, 6, 7, 8], [40, 41], [50, 51]
 
     def logprob(trainer, response):
@@ -420,13 +422,29 @@ def test_an_invalid_or_cut_reply_is_never_reinforced_by_what_it_won(model, lora_
             return float(trainer.policy(batch.input_ids, batch.attention_mask, batch.response_mask).logprobs.sum())
 
     torch.manual_seed(0)
-    trainer = make_trainer(model, lora_config, tokenizer, kl_coef=0.0, adaptive_kl=False, mini_batch_size=2)
+    capped = kind != "cut, cap_cut_replies=False"
+    trainer = make_trainer(
+        model, lora_config, tokenizer, kl_coef=0.0, adaptive_kl=False, mini_batch_size=2, cap_cut_replies=capped
+    )
     before = logprob(trainer, bad)
-    first = Turn(prompt, bad, 1.0, valid=kind != "invalid", finished=kind != "cut")
+    first = Turn(prompt, bad, 1.0, valid=kind != "invalid", finished=not kind.startswith("cut"))
     stats = trainer.step([Episode([first]), Episode([Turn(prompt, good, 0.0)])])
     assert (stats["adv/invalid_capped"], stats["adv/cut_capped"]) == {
         "invalid": (0.5, 0.0),
         "cut": (0.0, 0.5),
         "valid": (0.0, 0.0),
+        "cut, cap_cut_replies=False": (0.0, 0.0),
     }[kind]
-    assert (-1 if kind != "valid" else 1) * (logprob(trainer, bad) - before) > 0
+    assert (-1 if kind in ("invalid", "cut") else 1) * (logprob(trainer, bad) - before) > 0
+    assert "cut at max_new_tokens" not in caplog.text  # half the batch cut: no warning
+
+
+def test_a_batch_of_cut_replies_warns_once_naming_the_remedies(model, lora_config, tokenizer, caplog):
+    trainer = make_trainer(model, lora_config, tokenizer, kl_coef=0.0, adaptive_kl=False, mini_batch_size=2)
+    batch = [Episode([Turn([5, 6, 7, 8], [40 + i, 41], float(i % 2), finished=False)]) for i in range(4)]
+    for _ in range(2):
+        trainer.step(batch)
+    warnings = [r.getMessage() for r in caplog.records if "cut at max_new_tokens" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "100% of this batch's replies" in warnings[0]
+    assert "Raise max_new_tokens" in warnings[0] and "PPOConfig(cap_cut_replies=False)" in warnings[0]

@@ -58,7 +58,8 @@ class Agent(ABC):
         generation_config: overrides of the sampling settings, e.g. `{"max_new_tokens": 16}`. A sampled reply cut
             at `max_new_tokens` before its end-of-turn token is still parsed and played, but it was read before it
             ended: training never reinforces it (its advantage is capped at 0) nor imitates it, so the model learns
-            to end its replies (guess-the-number in generate mode, 20 minutes: sampled replies cut 39-41% -> 1-2%).
+            to end its replies (guess-the-number in generate mode, 20 minutes: sampled replies cut 39-42% -> 1-6%);
+            `PPOConfig(cap_cut_replies=False)` for replies meant to be cut, such as one-token answers.
         lora_config: a `peft.LoraConfig`; None uses the registry defaults for this model.
         lora_layers: adapt only the top N transformer layers (training's backward pass stops there; about 2x
             faster on a CPU). None adapts every layer; "auto" takes the registry's default for this model (the

@@ -54,15 +54,15 @@ class SFTReplayBuffer:
         episode.is_demo = True
         self.demos.append(episode)
 
-    def sample_turns(self, n: int, generator: torch.Generator) -> list[Turn]:
+    def sample_turns(self, n: int, generator: torch.Generator, skip_cut: bool = True) -> list[Turn]:
         """`n` assistant turns drawn uniformly with replacement; `demo_fraction` of them from demonstrations.
 
         The agent's own turns whose reply named no valid action are never drawn: a good episode may hold one (its
         fallback action happened to pay), and imitating it teaches the model to reply in a form that cannot be read.
-        Nor are generated replies cut at `max_new_tokens` (`Turn.finished`): imitating one teaches the model to go on
-        past its answer, never to end the reply.
+        Nor, with `skip_cut`, are generated replies cut at `max_new_tokens` (`Turn.finished`): imitating one teaches
+        the model to go on past its answer, never to end the reply.
         """
-        own = [turn for episode in self.episodes for turn in episode.turns if turn.valid and turn.finished]
+        own = [t for episode in self.episodes for t in episode.turns if t.valid and (t.finished or not skip_cut)]
         demos = [turn for episode in self.demos for turn in episode.turns]
         if not own and not demos:
             return []

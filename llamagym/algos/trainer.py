@@ -56,6 +56,7 @@ from .trust_region import TrustRegion
 logger = logging.getLogger(__name__)
 PLAIN_MINI_BATCH = 8  # turns per AdamW step when `mini_batch_size` is None
 PLAIN_EPOCHS = 2  # passes over the batch with AdamW (or minibatched natural) steps when `ppo_epochs` is None
+CUT_WARNING = 0.9  # warn once when this share of a batch's replies was cut at max_new_tokens (and so not reinforced)
 
 
 class PPOTrainer:
@@ -126,6 +127,7 @@ class PPOTrainer:
         self._measured: _Measured | None = None  # the last trust-region measure's outputs, kept for acting (`step`)
         # CPU: freed heap goes back to the system after each update, and within one when it grows past a bound
         self.freed_memory = FreedMemoryBound() if policy.device.type == "cpu" else None
+        self._warned_cut = False  # the warning that nearly every reply was cut at max_new_tokens is given once
         distributed.broadcast_(list(policy.trainable_parameters()))  # every rank starts from rank 0's weights
 
     # ---- one update ------------------------------------------------------------------------------------------
@@ -213,6 +215,16 @@ class PPOTrainer:
         local = advantages[mine]
         invalid = torch.tensor([not t.valid for t in turns], device=local.device)
         cut = torch.tensor([not t.finished for t in turns], device=local.device) & ~invalid
+        if not cfg.cap_cut_replies:
+            cut = torch.zeros_like(cut)
+        elif float(cut.float().mean()) >= CUT_WARNING and not self._warned_cut:
+            self._warned_cut = True
+            logger.warning(
+                f"{float(cut.float().mean()):.0%} of this batch's replies were cut at max_new_tokens before their end "
+                f"token; they are never reinforced nor imitated (PPOConfig.cap_cut_replies). Raise max_new_tokens "
+                f"(Agent(generation_config=...)), or set PPOConfig(cap_cut_replies=False) if your replies are meant "
+                f"to be cut (e.g. one-token answers)."
+            )
         spread["adv/invalid_capped"] = float((invalid & (local > 0)).sum()) / len(turns)
         spread["adv/cut_capped"] = float((cut & (local > 0)).sum()) / len(turns)
         local = torch.where(invalid | cut, local.clamp(max=0.0), local)
@@ -771,7 +783,7 @@ class PPOTrainer:
         cfg, losses = self.replay.config, []
         sft_stats: dict[str, list[float]] = defaultdict(list)
         for _ in range(cfg.sft_steps):
-            turns = self.replay.sample_turns(cfg.sft_batch_size, generator)
+            turns = self.replay.sample_turns(cfg.sft_batch_size, generator, self.config.cap_cut_replies)
             if not turns:
                 break
             batch = collate(turns, self.pad_token_id, self.policy.device)
