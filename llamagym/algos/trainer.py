@@ -214,14 +214,14 @@ class PPOTrainer:
         # does a reply cut at max_new_tokens, read before it ended (else a paying one teaches the model to ramble on)
         local = advantages[mine]
         invalid = torch.tensor([not t.valid for t in turns], device=local.device)
-        cut = torch.tensor([not t.finished for t in turns], device=local.device) & ~invalid
-        if not cfg.cap_cut_replies:
-            cut = torch.zeros_like(cut)
-        elif float(cut.float().mean()) >= CUT_WARNING and not self._warned_cut:
+        unfinished = torch.tensor([not t.finished for t in turns], device=local.device)
+        cut = unfinished & ~invalid if cfg.cap_cut_replies else torch.zeros_like(unfinished)
+        cut_share = float(unfinished.float().mean())
+        if cfg.cap_cut_replies and cut_share >= CUT_WARNING and not self._warned_cut:
             self._warned_cut = True
             logger.warning(
-                f"{float(cut.float().mean()):.0%} of this batch's replies were cut at max_new_tokens before their end "
-                f"token; they are never reinforced nor imitated (PPOConfig.cap_cut_replies). Raise max_new_tokens "
+                f"{cut_share:.0%} of this batch's replies were cut at max_new_tokens before their end token; they "
+                f"are never reinforced nor imitated (PPOConfig.cap_cut_replies). Raise max_new_tokens "
                 f"(Agent(generation_config=...)), or set PPOConfig(cap_cut_replies=False) if your replies are meant "
                 f"to be cut (e.g. one-token answers)."
             )
