@@ -82,10 +82,11 @@ class Agent(ABC):
             class attribute `context_turns` decides (None unless the subclass sets it).
         fallback_action: the action used when a reply cannot be parsed. Set it to a valid action of your env.
         format_penalty: subtracted from a turn's reward when its reply could not be parsed (a scored reply always
-            can), and so part of the returns trained on and reported. Set it when `fallback_action` can be a good
-            move: the env then rewards an unreadable reply like a readable one, and only the penalty teaches the
-            form (tic-tac-toe, whose fallback is the centre, seed 1 in generate mode for 20 minutes: 1.0% of the
-            greedy replies unreadable at the end with 0.5, 8.8% without; docs/learning-that-holds.md).
+            can), and so part of the returns trained on and reported. Consider it when `fallback_action` can be a
+            good move and the replies stay unreadable: the env then rewards an unreadable reply like a readable one
+            (tic-tac-toe, whose fallback is the centre, seed 1 in generate mode for 20 minutes, before cut replies
+            were capped: 1.0% of the greedy replies unreadable at the end with 0.5, 8.8% without; with the cap,
+            2.7% without; docs/learning-that-holds.md).
         action_space: the env's action space, to reject parsed actions outside it.
         action_mode: "generate" (sample a reply and parse it), "score" (choose among `action_candidates`), "auto"
             (score when `action_candidates` returns a list, else generate), or the name of a mode added with
