@@ -109,6 +109,7 @@ class PPOConfig:
         non_negative = (lambda v: _num(v) and v >= 0, "a number >= 0")
         count = (lambda v: _int(v) and v >= 1, "an integer >= 1")
         count_or_none = (lambda v: v is None or (_int(v) and v >= 1), "None or an integer >= 1")
+        flag = (lambda v: isinstance(v, bool), "True or False")
         _check_fields(
             self,
             {
@@ -125,7 +126,7 @@ class PPOConfig:
                     lambda v: v in estimators.names(),
                     f"one of {', '.join(estimators.names())} (llamagym.algos.estimators)",
                 ),
-                "group_std_scaling": (lambda v: isinstance(v, bool), "True or False"),
+                "group_std_scaling": flag,
                 "clip_coef": positive,
                 "clip_coef_high": (lambda v: v is None or (_num(v) and v > 0), "None or a number > 0"),
                 "loss_aggregation": (lambda v: v in LOSS_AGGREGATIONS, f"one of {', '.join(LOSS_AGGREGATIONS)}"),
@@ -136,18 +137,18 @@ class PPOConfig:
                 "entropy_floor": (lambda v: v is None or (_num(v) and 0 < v < 1), "None (off) or a number in (0, 1)"),
                 "entropy_floor_step": positive,
                 "max_grad_norm": positive,
-                "cap_cut_replies": (lambda v: isinstance(v, bool), "True or False"),
-                "whiten_advantages": (lambda v: isinstance(v, bool), "True or False"),
+                "cap_cut_replies": flag,
+                "whiten_advantages": flag,
                 "advantage_scale": (lambda v: v in ADVANTAGE_SCALES, f"one of {', '.join(ADVANTAGE_SCALES)}"),
                 "repeated_input_power": (lambda v: v is None or unit[0](v), "None or a number in the interval [0, 1]"),
                 "max_kl": (lambda v: v is None or (_num(v) and v > 0), "None (no trust region) or a number > 0"),
-                "max_kl_generate": (lambda v: isinstance(v, bool), "True or False"),
+                "max_kl_generate": flag,
                 "kl_coef": non_negative,
                 "kl_estimator": (lambda v: v in KL_ESTIMATORS, f"one of {', '.join(KL_ESTIMATORS)}"),
-                "adaptive_kl": (lambda v: isinstance(v, bool), "True or False"),
+                "adaptive_kl": flag,
                 "kl_target": positive,
                 "kl_horizon": count,
-                "use_target_kl": (lambda v: isinstance(v, bool), "True or False"),
+                "use_target_kl": flag,
                 "target_kl": non_negative,
                 "weight_decay": non_negative,
                 "natural_gradient": (lambda v: v is None or isinstance(v, bool), "True, False or None (automatic)"),

@@ -215,7 +215,7 @@ class PPOTrainer:
         local = advantages[mine]
         invalid = torch.tensor([not t.valid for t in turns], device=local.device)
         unfinished = torch.tensor([not t.finished for t in turns], device=local.device)
-        cut = unfinished & ~invalid if cfg.cap_cut_replies else torch.zeros_like(unfinished)
+        cut = unfinished & ~invalid & cfg.cap_cut_replies
         cut_share = float(unfinished.float().mean())
         if cfg.cap_cut_replies and cut_share >= CUT_WARNING and not self._warned_cut:
             self._warned_cut = True
