@@ -77,9 +77,9 @@ class PPOConfig:
         "returns"  # whitening divides by: "batch" (this batch's advantage std), "returns" (the std of
     )
     # every return seen so far: a batch of equal returns stays near 0 instead of becoming unit noise), or "none"
-    repeated_input_power: float | None = None  # each turn's advantage x n**-power, n the batch's turns with its model
-    # input (ppo.repeated_input_weights): 0 = every turn alike, 0.5 = each input equal noise, 1 = each input equal
-    # weight; None = the action mode's `repeated_input_power` (scoring 0.5; generate 0, where it was not measured)
+    repeated_input_power: float | None = None  # each turn's advantage x n**-power, n the batch's turns in its state
+    # (its prompt; ppo.repeated_input_weights): 0 = every turn alike, 0.5 = each state equal noise, 1 = each state
+    # equal weight; None = the action mode's `repeated_input_power` (scoring 0.5; generate 0, where it was not measured)
     max_kl: float | None = 0.02  # trust region: backtrack each step until the mean KL(old || new) per turn <= this
     # (scoring mode: per bit of choice, i.e. divided by log2 of the input's number of candidates)
     max_kl_generate: bool = False  # also bound generated replies (a noisy k3 estimate; scoring mode is always bound)

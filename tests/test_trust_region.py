@@ -10,7 +10,7 @@ import torch
 from llamagym.algos import ppo
 from llamagym.algos.modes.score import ScoreMode, relative_kl
 from llamagym.algos.rollout import Episode, Turn, collate_scored
-from llamagym.algos.trainer import PPOTrainer
+from llamagym.algos.trainer import PPOTrainer, state_weights
 from llamagym.algos.trust_region import TrustRegion, categorical_kl, next_start, step_scale
 from llamagym.config import PPOConfig
 from llamagym.models.policy import Policy
@@ -115,11 +115,14 @@ def test_repeated_input_weights_golden_values():
     torch.testing.assert_close(ppo.repeated_input_weights(groups, 1.0), torch.tensor([0.25] * 4 + [1.0, 0.5, 0.5]))
 
 
-def test_repeated_input_weights_land_on_the_advantages_device(model, lora_config, tokenizer):
-    """The weights are counted on the CPU and multiply advantages that live on the policy's device (a GPU run
-    failed at its first update when they did not move)."""
-    trainer = PPOTrainer(Policy(model, lora_config, precision="fp32"), PPOConfig(), tokenizer.pad_token_id)
-    weights = trainer._repeated_input_weights(torch.tensor([0, 0, 1]), 0.5, torch.device("meta"))
+def test_state_weights_count_every_rank_and_land_on_the_advantages_device():
+    """A rank's weights count its states' turns on every rank (the keys are gathered; this rank holds turns 1-3),
+    and are counted on the CPU but multiply advantages on the policy's device (a GPU run failed at its first update
+    when they did not move)."""
+    keys = torch.tensor([0, 0, 1, 1, 1])
+    mine = slice(1, 4)
+    torch.testing.assert_close(state_weights(keys, 0.5, mine, torch.device("cpu")), torch.tensor([2, 3, 3]) ** -0.5)
+    weights = state_weights(keys, 0.5, mine, torch.device("meta"))
     assert weights.device.type == "meta" and weights.shape == (3,)
 
 
@@ -226,9 +229,28 @@ def test_repeated_input_power_is_a_half_when_scoring_and_off_when_generating_by_
     for power in (None, 0.0, 0.5):
         torch.manual_seed(0)
         policy = Policy(build_tiny_model(tokenizer, seed=0), lora_config, precision="fp32")
-        PPOTrainer(policy, PPOConfig(repeated_input_power=power), tokenizer.pad_token_id).step(generated)
+        config = PPOConfig(natural_gradient=True, natural_step=0.5, max_kl=None, repeated_input_power=power)
+        PPOTrainer(policy, config, tokenizer.pad_token_id).step(generated)
         moved.append(torch.cat([p.detach().flatten() for p in policy.trainable_parameters()]))
     assert torch.equal(moved[0], moved[1]) and not torch.equal(moved[0], moved[2])
+
+
+def test_generated_replies_to_one_prompt_count_as_one_state(lora_config, tokenizer):
+    """The first prompt answered twice, with two different replies, the others once: every (prompt, reply) input is
+    met once, the first state twice. Counted by state, power 1 halves the first prompt's advantages against the
+    others' and the step differs from power 0's; counted by input (the reply included), it would be the same. (A
+    natural step, which follows the advantages' relative sizes; AdamW's first steps follow only their signs.)"""
+    met = [(0, 0, 1.0), (0, 1, 0.0), (1, 0, 1.0), (2, 0, 0.0)]  # (prompt, reply, reward)
+    generated = [Episode([Turn(PROMPTS[i], CANDIDATES[i][k], r, candidates=None)]) for i, k, r in met]
+    moves = []
+    for power in (0.0, 1.0):
+        torch.manual_seed(0)
+        policy = Policy(build_tiny_model(tokenizer, seed=0), lora_config, precision="fp32")
+        start = torch.cat([p.detach().flatten() for p in policy.trainable_parameters()])
+        config = PPOConfig(natural_gradient=True, natural_step=0.5, max_kl=None, repeated_input_power=power)
+        PPOTrainer(policy, config, tokenizer.pad_token_id).step(generated)
+        moves.append(torch.cat([p.detach().flatten() for p in policy.trainable_parameters()]) - start)
+    assert float((moves[0] - moves[1]).norm()) > 0.05 * float(moves[0].norm())
 
 
 @pytest.mark.parametrize("scale", ["batch", "returns"])

@@ -296,12 +296,13 @@ def scale_advantages(advantages: Tensor, how: str, returns_std: float) -> Tensor
 
 
 def repeated_input_weights(groups: Tensor, power: float) -> Tensor:
-    """(N,) weight of each turn: n**-power, n the number of turns with the same model input (equal ids in `groups`).
+    """(N,) weight of each turn: n**-power, n the number of turns in the same state (equal ids in `groups`: the
+    trainer passes each turn's prompt id).
 
     0 weighs every turn alike. A state met in many turns (the first state of every episode of a game) otherwise
     carries a target that many times the size of a state met once: its sampling noise alone can move what shared
-    weights do everywhere else. 0.5 gives each input's rows equal noise (a sum of n noisy terms grows as sqrt(n));
-    1 gives each input equal weight, however often it was met.
+    weights do everywhere else. 0.5 gives each state's rows equal noise (a sum of n noisy terms grows as sqrt(n));
+    1 gives each state equal weight, however often it was met.
     """
     counts = torch.bincount(groups)
     return counts[groups].to(torch.float32).pow(-power)

@@ -10,7 +10,8 @@ What one action, one reward and one value are (docs/design.md §3):
    still learns their returns-to-go (its loss and refit run as ever), though they do not read it.
 5. The turn's advantage is broadcast over its response tokens in a masked clipped PPO loss (a token mean, or
    `PPOConfig.loss_aggregation`; clip-higher with `clip_coef_high`). It is first weighed by n**-power when n of the
-   batch's turns share its model input (`PPOConfig.repeated_input_power`, by default the mode's: 1/sqrt(n) scoring).
+   batch's turns acted in its state, i.e. had its prompt (`PPOConfig.repeated_input_power`, by default the mode's:
+   1/sqrt(n) scoring).
 
 Two KLs, never mixed up: `kl_ref` (policy vs reference, in the reward, adaptive coefficient) and `approx_kl`
 (new vs old policy within an update, for target-KL early stopping, checked before each optimizer step).
@@ -229,8 +230,10 @@ class PPOTrainer:
         spread["adv/cut_capped"] = float((cut & (local > 0)).sum()) / len(turns)
         local = torch.where(invalid | cut, local.clamp(max=0.0), local)
         power = mode.repeated_input_power if cfg.repeated_input_power is None else cfg.repeated_input_power
-        if power:  # scaled after the estimator: the weights shrink what a turn moves, not its return
-            local = local * self._repeated_input_weights(data.groups, power, local.device)
+        if power:  # scaled after the estimator: the weights shrink what a turn moves, not its return. Counted by
+            # state (the prompt; over every rank's turns, data-parallel), not by model input: a generated reply is
+            # part of its input, and counting replies would weigh an action down for being chosen often
+            local = local * state_weights(scored.step_key, power, mine, local.device)
         self._batch_summary = (
             f"batch of {len(turns)} turns: mean reward {float(env_rewards.mean()):.4g}, advantages in "
             f"[{float(advantages.min()):.4g}, {float(advantages.max()):.4g}], kl/ref {float(kl_ref.mean()):.4g}"
@@ -614,15 +617,6 @@ class PPOTrainer:
         tolerance = 1e-3 * float(data.advantages[index].abs().mean()) + 1e-7
         return float(kl.mean()), float(kl.max()), objective_after >= objective_before - tolerance
 
-    def _repeated_input_weights(self, groups: torch.Tensor, power: float, device: torch.device) -> torch.Tensor:
-        """This rank's turns' `ppo.repeated_input_weights` on `device`, counting each input's turns over every rank
-        (data-parallel: by the ids all ranks share, so a rank's weights are those one process would give its turns)."""
-        if self._input_ids is None:
-            return ppo.repeated_input_weights(groups, power).to(device)
-        shared, sizes = distributed.all_gather_cat(self._input_ids.to(groups.device)[groups])
-        start = sum(sizes[: distributed.rank()])
-        return ppo.repeated_input_weights(shared, power)[start : start + len(groups)].to(device)
-
     def _entropy_bonus(self, data: UpdateBatch, equal: bool) -> dict[str, float]:
         """Set this update's entropy bonus: the configured `ent_coef` on every turn plus the entropy floor's weight,
         adapted to the batch's mean entropy fraction (`ppo.EntropyFloor`; over every rank's turns, data-parallel), on
@@ -839,6 +833,12 @@ class _Measured(NamedTuple):
     rows: torch.Tensor  # (M,) the turns measured
     dists: torch.Tensor  # (M, C) their distributions over the candidates
     features: torch.Tensor  # (M, H) the value head's inputs (the values follow from the head as it is when used)
+
+
+def state_weights(step_key: torch.Tensor, power: float, mine: slice, device: torch.device) -> torch.Tensor:
+    """This rank's turns' `ppo.repeated_input_weights` (n**-power, n the turns with the same prompt in `step_key`,
+    every rank's turns), on `device`: the advantages' (on a GPU, not where the keys were counted)."""
+    return ppo.repeated_input_weights(step_key, power)[mine].to(device)
 
 
 def distinct_prompts(turns: list[Turn]) -> torch.Tensor:

@@ -43,8 +43,8 @@ Class attributes: `name` (its key in `MODES`, recorded on its turns), `takes_can
 candidate replies: the agent asks its `action_candidates` hook), `exact_kl` (the KL of `kl` is exact, so
 natural-gradient steps and the trust region are used by default), `cache_rounds` (for how many updates an input's
 frozen-layer states stay cached unused, `FrozenLayerCache.next_round`: more where inputs come back in later batches)
-and `repeated_input_power` (`PPOConfig.repeated_input_power` when that is None: how much the turns of an input met
-many times in a batch are weighed down; 0, every turn alike, unless measured otherwise for the mode).
+and `repeated_input_power` (`PPOConfig.repeated_input_power` when that is None: how much the turns of a state (a
+prompt) met many times in a batch are weighed down; 0, every turn alike, unless measured otherwise for the mode).
 """
 
 from __future__ import annotations
