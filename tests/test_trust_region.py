@@ -225,7 +225,7 @@ def test_repeated_input_power_is_a_half_when_scoring_and_off_when_generating_by_
         Episode([Turn(p, c[0], float(i % 3), candidates=None)])
         for i, (p, c) in enumerate(zip(PROMPTS * 3, CANDIDATES * 3, strict=True))
     ]
-    moved = []
+    moved = []  # natural steps, which follow the advantages' sizes (AdamW's first steps follow only their signs)
     for power in (None, 0.0, 0.5):
         torch.manual_seed(0)
         policy = Policy(build_tiny_model(tokenizer, seed=0), lora_config, precision="fp32")
