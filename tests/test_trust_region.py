@@ -225,31 +225,28 @@ def test_repeated_input_power_is_a_half_when_scoring_and_off_when_generating_by_
         Episode([Turn(p, c[0], float(i % 3), candidates=None)])
         for i, (p, c) in enumerate(zip(PROMPTS * 3, CANDIDATES * 3, strict=True))
     ]
-    moved = []  # natural steps, which follow the advantages' sizes (AdamW's first steps follow only their signs)
-    for power in (None, 0.0, 0.5):
-        torch.manual_seed(0)
-        policy = Policy(build_tiny_model(tokenizer, seed=0), lora_config, precision="fp32")
-        config = PPOConfig(natural_gradient=True, natural_step=0.5, max_kl=None, repeated_input_power=power)
-        PPOTrainer(policy, config, tokenizer.pad_token_id).step(generated)
-        moved.append(torch.cat([p.detach().flatten() for p in policy.trainable_parameters()]))
+    moved = [natural_move(lora_config, tokenizer, generated, power) for power in (None, 0.0, 0.5)]
     assert torch.equal(moved[0], moved[1]) and not torch.equal(moved[0], moved[2])
+
+
+def natural_move(lora_config, tokenizer, episodes, power: float | None) -> torch.Tensor:
+    """The adapter's move (flat) by one natural update on `episodes` from the same random start, at `power`. Natural
+    steps follow the advantages' sizes; AdamW's first steps follow only their signs, which a power does not change."""
+    torch.manual_seed(0)
+    policy = Policy(build_tiny_model(tokenizer, seed=0), lora_config, precision="fp32")
+    start = torch.cat([p.detach().flatten() for p in policy.trainable_parameters()])
+    config = PPOConfig(natural_gradient=True, natural_step=0.5, max_kl=None, repeated_input_power=power)
+    PPOTrainer(policy, config, tokenizer.pad_token_id).step(episodes)
+    return torch.cat([p.detach().flatten() for p in policy.trainable_parameters()]) - start
 
 
 def test_generated_replies_to_one_prompt_count_as_one_state(lora_config, tokenizer):
     """The first prompt answered twice, with two different replies, the others once: every (prompt, reply) input is
     met once, the first state twice. Counted by state, power 1 halves the first prompt's advantages against the
-    others' and the step differs from power 0's; counted by input (the reply included), it would be the same. (A
-    natural step, which follows the advantages' relative sizes; AdamW's first steps follow only their signs.)"""
+    others' and the step differs from power 0's; counted by input (the reply included), it would be the same."""
     met = [(0, 0, 1.0), (0, 1, 0.0), (1, 0, 1.0), (2, 0, 0.0)]  # (prompt, reply, reward)
     generated = [Episode([Turn(PROMPTS[i], CANDIDATES[i][k], r, candidates=None)]) for i, k, r in met]
-    moves = []
-    for power in (0.0, 1.0):
-        torch.manual_seed(0)
-        policy = Policy(build_tiny_model(tokenizer, seed=0), lora_config, precision="fp32")
-        start = torch.cat([p.detach().flatten() for p in policy.trainable_parameters()])
-        config = PPOConfig(natural_gradient=True, natural_step=0.5, max_kl=None, repeated_input_power=power)
-        PPOTrainer(policy, config, tokenizer.pad_token_id).step(generated)
-        moves.append(torch.cat([p.detach().flatten() for p in policy.trainable_parameters()]) - start)
+    moves = [natural_move(lora_config, tokenizer, generated, power) for power in (0.0, 1.0)]
     assert float((moves[0] - moves[1]).norm()) > 0.05 * float(moves[0].norm())
 
 
