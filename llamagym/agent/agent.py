@@ -87,6 +87,12 @@ class Agent(ABC):
             (tic-tac-toe, whose fallback is the centre, seed 1 in generate mode for 20 minutes, before cut replies
             were capped: 1.0% of the greedy replies unreadable at the end with 0.5, 8.8% without; with the cap,
             2.7% without; docs/learning-that-holds.md).
+        explore: in generate mode, the share of sampled replies replaced by one of `action_candidates` drawn
+            uniformly (epsilon-greedy over written replies). A model proposes only what it would write: the embedded
+            model's guess-the-number guesses are numbers its prompt shows, and no policy of those finds more than 9
+            of 16 secrets. A drawn reply is played and trained on as the model's own, so its log-probs under the
+            policy, not the draw, are what PPO takes as the old policy's. Needs `action_candidates`; greedy acting
+            and `predict` never explore. 0 (the default) draws nothing.
         action_space: the env's action space, to reject parsed actions outside it.
         action_mode: "generate" (sample a reply and parse it), "score" (choose among `action_candidates`), "auto"
             (score when `action_candidates` returns a list, else generate), or the name of a mode added with
@@ -115,6 +121,7 @@ class Agent(ABC):
         context_turns: int | None | object = _FROM_CLASS,
         fallback_action: Any = 0,
         format_penalty: float = 0.0,
+        explore: float = 0.0,
         action_space=None,
         action_mode: str = "auto",
         precision: str = "auto",
@@ -133,6 +140,8 @@ class Agent(ABC):
             raise ValueError("`fallback_action` should be a valid action of your env (it replaces unparsable replies).")
         if not isinstance(format_penalty, (int, float)) or not math.isfinite(format_penalty) or format_penalty < 0:
             raise ValueError(f"`format_penalty` should be a finite number >= 0. Received {format_penalty!r}.")
+        if not isinstance(explore, (int, float)) or isinstance(explore, bool) or not 0 <= explore < 1:
+            raise ValueError(f"`explore` should be a number in [0, 1). Received {explore!r}.")
         distributed.init_from_env()  # under a launcher (WORLD_SIZE > 1): join its process group; else nothing
         self.ppo_config = ppo_config or PPOConfig()
         if use_target_kl is not None:  # a copy: the caller's config object is left as it was
@@ -183,6 +192,8 @@ class Agent(ABC):
             torch.manual_seed(self.sampling_seed)
         self.fallback_action = fallback_action
         self.format_penalty = float(format_penalty)
+        self.explore = float(explore)
+        self._explored = [0, 0]  # replies drawn by `explore`, replies sampled: since the last update
         self.action_space = action_space
         self.actor = Actor(self.policy, self.formatter, self.pad_token_id, self.eos_ids, self.generation)
         self.action_mode = action_mode
@@ -269,9 +280,10 @@ class Agent(ABC):
         active = [True] * len(observations) if active is None else [bool(a) for a in active]
         index = [i for i, on in enumerate(active) if on]
         slots = [self.slots[i] for i in index]
-        decisions = decide(
-            self, [observations[i] for i in index], [s.history for s in slots], [s.where() for s in slots], self.greedy
-        )
+        history, wheres = [s.history for s in slots], [s.where() for s in slots]
+        decisions = decide(self, [observations[i] for i in index], history, wheres, self.greedy, self.explore)
+        self._explored[0] += sum(d.explored for d in decisions)  # greedy decisions are never explored, nor trained
+        self._explored[1] += 0 if self.greedy else len(decisions)
         actions = [self.fallback_action] * len(observations)
         for i, slot, d in zip(index, slots, decisions, strict=True):
             # Only now, with nothing left that can fail, is the turn recorded.
@@ -389,6 +401,9 @@ class Agent(ABC):
         stats = self.trainer.step(episodes, acted=self.actor.memory)  # old outputs acting computed are reused
         stats["agent/batch_invalid_action_rate"] = _mean(not t.valid for e in episodes for t in e.turns)
         stats["agent/batch_cut_reply_rate"] = _mean(not t.finished for e in episodes for t in e.turns)
+        if self.explore:  # replies drawn by `explore` since the last update, of those acted
+            stats["agent/explored_rate"] = self._explored[0] / max(1, self._explored[1])
+            self._explored = [0, 0]
         if self.sampling_seed is not None:
             stats.update(
                 {

@@ -11,7 +11,9 @@ import logging
 from contextlib import nullcontext
 from typing import NamedTuple
 
-from ..algos.modes import MODES, ActionMode
+import torch
+
+from ..algos.modes import MODES, ActionMode, Choice
 from ..distributed import checksum
 from ..models.policy import Policy
 from .chat import ChatFormatter, Message
@@ -139,19 +141,26 @@ class Decision(NamedTuple):
     choice: int | None  # the chosen candidate's index, when there were candidates
     parsed: ParsedAction
     mode: str  # the action mode that chose it (`modes.MODES`)
+    explored: bool = False  # the reply is a candidate drawn uniformly, not the model's own (`explore`)
 
 
-def decide(agent, observations: list, histories: list, wheres: list[str], greedy: bool) -> list[Decision]:
+def decide(
+    agent, observations: list, histories: list, wheres: list[str], greedy: bool, explore: float = 0.0
+) -> list[Decision]:
     """Each observation after its conversation `history`: prompts, then one batched choice by the agent's mode.
 
     The agent's hooks format the observations and name the candidates; nothing is recorded here. Under
     `action_mode="auto"` the mode is "score" when `action_candidates` lists replies, else "generate".
+
+    `explore` (with a mode that writes its replies, and never when `greedy`): each reply is replaced, with that
+    probability, by one of `action_candidates` drawn uniformly (`explore_replies`).
     """
     if not observations:
         return []
     system_prompt = agent.get_system_prompt()
     fixed = agent.mode  # None under "auto"
-    ask = fixed is None or fixed.takes_candidates
+    explore = 0.0 if greedy else explore
+    ask = fixed is None or fixed.takes_candidates or explore > 0
     messages, prompts, candidates = [], [], []
     for observation, history, where in zip(observations, histories, wheres, strict=True):
         hook = "format_observation"
@@ -168,6 +177,11 @@ def decide(agent, observations: list, histories: list, wheres: list[str], greedy
                 f"action_mode={fixed.name!r} but action_candidates returned None in {where}; "
                 "return the list of valid replies, or set action_names."
             )
+        if texts is None and explore > 0:
+            raise ValueError(
+                f"explore={explore} draws replies from action_candidates, which returned None in {where}; return "
+                "the list of valid replies (or set action_names), or create the agent with explore=0."
+            )
         messages.append([*history, message])
         try:
             prompts.append(agent.formatter.prompt_ids(system_prompt, messages[-1])[0])
@@ -178,26 +192,50 @@ def decide(agent, observations: list, histories: list, wheres: list[str], greedy
     if any((texts is not None) != listed for texts in candidates):
         raise ValueError("action_candidates returned a list for some envs and None for others in one step.")
     mode = fixed or MODES["score" if listed else "generate"]
-    cand_ids = [[agent.actor.candidate_ids(t) for t in texts] for texts in candidates] if listed else None
+    scored = listed and mode.takes_candidates
+    cand_ids = [[agent.actor.candidate_ids(t) for t in texts] for texts in candidates] if scored else None
     with agent.trainer.greedy_weights() if greedy else nullcontext():  # greedy: the averaged adapter
         choices = mode.choose(agent.actor, prompts, cand_ids, greedy)
+    explored = explore_replies(candidates, explore) if not scored and explore > 0 else {}
     decisions = []
     for k, (where, texts, chosen) in enumerate(zip(wheres, candidates, choices, strict=True)):
-        if chosen.choice is not None:  # a listed reply: its text as the hook gave it
+        index = chosen.choice  # the listed reply's index, when a listed reply was chosen
+        if k in explored:  # a drawn candidate is written as the model would write it: a generated reply
+            index = explored[k]
+            reply, chosen = texts[index], Choice(agent.actor.candidate_ids(texts[index]))
+        elif chosen.choice is not None:  # a listed reply: its text as the hook gave it
             reply = texts[chosen.choice]
         else:
             reply = agent.tokenizer.decode(chosen.response_ids, skip_special_tokens=True)
-        if chosen.choice is not None and texts == agent.action_names:
-            parsed = ParsedAction(chosen.choice + _space_start(agent.action_space), True, None)
+        if index is not None and texts == agent.action_names:
+            parsed = ParsedAction(index + _space_start(agent.action_space), True, None)
         else:
             parsed = parse_action(reply, agent.extract_action, agent.fallback_action, agent.action_space)
         if not parsed.valid:
             logger.debug("%s: unparsable reply %r (%s)", where, reply[:200], parsed.error)
-        ids = cand_ids[k] if listed else None
+        ids = cand_ids[k] if scored else None
         decisions.append(
-            Decision(messages[k], prompts[k], reply, chosen.response_ids, ids, chosen.choice, parsed, mode.name)
+            Decision(
+                messages[k],
+                prompts[k],
+                reply,
+                chosen.response_ids,
+                ids,
+                chosen.choice,
+                parsed,
+                mode.name,
+                k in explored,
+            )
         )
     return decisions
+
+
+def explore_replies(candidates: list[list[str]], rate: float) -> dict[int, int]:
+    """Epsilon-greedy over written replies: which replies to replace, each with probability `rate`, and by which of
+    their candidates, drawn uniformly: {reply index: candidate index}. Draws from torch's global generator (a
+    checkpoint keeps its state) after the mode chose, so the model's own replies are the same with it on or off."""
+    draws = torch.rand(len(candidates))
+    return {k: int(torch.randint(len(candidates[k]), ())) for k in torch.nonzero(draws < rate).flatten().tolist()}
 
 
 def _space_start(space) -> int:
