@@ -35,6 +35,7 @@ from ..algos.rollout import ScoreBatch, left_pad
 from . import checkpointing
 from .devices import resolve_precision
 from .frozen_cache import FrozenLayerCache, frozen_prefix_layers, probe
+from .head_cast import keep_head_cast
 from .prefill import Prefilled, prefill
 from .registry import GENERIC_SPEC, ModelSpec
 
@@ -166,6 +167,7 @@ class Policy(nn.Module):
                 if is_quantized(model):  # QLoRA: norms (and any other 16-bit weights) upcast to fp32, all frozen
                     prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
                 self.model = get_peft_model(model, lora_config)
+        keep_head_cast(self.causal_lm())  # under bf16 autocast the frozen LM head is cast once, not at every call
         if gradient_checkpointing:
             checkpointing.enable(self.causal_lm())
         self.gradient_checkpointing = gradient_checkpointing
