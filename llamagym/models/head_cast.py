@@ -38,7 +38,8 @@ class KeptCast:
         ):
             return self.forward(x)
         key = (weight.data_ptr(), weight._version, weight.device)
-        if key != self.key:
+        if key != self.key:  # the old copy goes first: never two at once (an FSDP unit's weight moves each forward)
+            self.weight = None
             self.weight, self.key = weight.detach().to(torch.bfloat16), key
         return F.linear(x, self.weight, self.module.bias)  # autocast casts x (and a bias) as it would have
 
