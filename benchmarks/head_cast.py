@@ -1,11 +1,11 @@
 """The LM head's kept bf16 cast (`llamagym/models/head_cast.py`) against autocast casting it at every call.
 
 Guess-the-number in generate mode, 16 envs: the prompt batches of the first sampled steps, each chosen sampled
-(seeded alike, so both sides decode the same replies) and greedy, with the cast kept and without, alternating; then
-PPO updates on one batch of episodes, alternating too (the adapter moves on between them: the same shapes, not the
-same weights). It prints the median seconds of each and their ratio: compare the ratios of one run. The policy runs
-in bf16 only where the CPU has native bf16 (`python -m llamagym doctor`); in fp32 nothing is cast and the two
-sides are the same code.
+(seeded alike, so both sides decode the same replies), greedy, and by scoring the 16 guesses (scoring mode), with the
+cast kept and without, alternating; then PPO updates on one batch of episodes, alternating too (the adapter moves on
+between them: the same shapes, not the same weights). It prints the median seconds of each and their ratio: compare
+the ratios of one run. The policy runs in bf16 only where the CPU has native bf16 (`python -m llamagym doctor`); in
+fp32 nothing is cast and the two sides are the same code.
 
 Quick check (tiny model, seconds):  python benchmarks/head_cast.py --quick
 Full benchmark (quiet machine):     python benchmarks/head_cast.py
@@ -85,11 +85,14 @@ def main():
         del MODES["generate"].choose
     print("| what | without (s) | kept (s) | ratio |")
     print("| --- | --- | --- | --- |")
-    for greedy in (False, True):
+    candidates = [agent.actor.candidate_ids(text) for text in agent.action_candidates(observations[0])]
+    ways = (("sampled", "generate", False), ("greedy", "generate", True), ("scored", "score", True))
+    for acting, mode, greedy in ways:
 
-        def choose(prompts=None, greedy=greedy):
+        def choose(prompts, mode=mode, greedy=greedy):
             torch.manual_seed(0)  # both sides sample alike
-            MODES["generate"].choose(agent.actor, prompts, None, greedy)
+            agent.policy.version += 1  # nothing scored before is taken from acting's memory
+            MODES[mode].choose(agent.actor, prompts, [candidates] * len(prompts), greedy)
 
         plain, with_kept = [], []
         for prompts in batches[: args.steps]:
@@ -97,7 +100,6 @@ def main():
             plain.append(a)
             with_kept.append(b)
         a, b = statistics.median(plain), statistics.median(with_kept)
-        acting = "greedy" if greedy else "sampled"
         print(f"| acting, {args.envs} prompts, {acting} | {a:.2f} | {b:.2f} | {a / b:.2f}x |", flush=True)
     agent.trainer.config = config
     episodes = list(agent.batch)
