@@ -81,7 +81,7 @@ def test_greedy_acting_and_predict_never_explore(tokenizer, lora_config):
     assert explorer.predict(list(range(8))) == plain.predict(list(range(8)))
     with explorer.evaluating():
         explorer.act_batch(list(range(8)))
-    assert explorer._explored == [0, 0]
+    assert (explorer._drawn, explorer._sampled) == (0, 0)
 
 
 def test_a_drawn_reply_that_pays_is_reinforced(model, tokenizer, lora_config):

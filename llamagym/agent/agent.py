@@ -194,7 +194,7 @@ class Agent(ABC):
         self.fallback_action = fallback_action
         self.format_penalty = float(format_penalty)
         self.explore = float(explore)
-        self._explored = [0, 0]  # replies drawn by `explore`, replies sampled: since the last update
+        self._drawn = self._sampled = 0  # since the last update: replies drawn by `explore`, replies sampled
         self.action_space = action_space
         self.actor = Actor(self.policy, self.formatter, self.pad_token_id, self.eos_ids, self.generation)
         self.action_mode = action_mode
@@ -283,8 +283,9 @@ class Agent(ABC):
         slots = [self.slots[i] for i in index]
         history, wheres = [s.history for s in slots], [s.where() for s in slots]
         decisions = decide(self, [observations[i] for i in index], history, wheres, self.greedy, self.explore)
-        self._explored[0] += sum(d.explored for d in decisions)  # greedy decisions are never explored, nor trained
-        self._explored[1] += 0 if self.greedy else len(decisions)
+        if not self.greedy:  # greedy decisions are never explored, nor trained on
+            self._drawn += sum(d.explored for d in decisions)
+            self._sampled += len(decisions)
         actions = [self.fallback_action] * len(observations)
         for i, slot, d in zip(index, slots, decisions, strict=True):
             # Only now, with nothing left that can fail, is the turn recorded.
@@ -403,8 +404,8 @@ class Agent(ABC):
         stats["agent/batch_invalid_action_rate"] = _mean(not t.valid for e in episodes for t in e.turns)
         stats["agent/batch_cut_reply_rate"] = _mean(not t.finished for e in episodes for t in e.turns)
         if self.explore:  # replies drawn by `explore` since the last update, of those acted
-            stats["agent/explored_rate"] = self._explored[0] / max(1, self._explored[1])
-            self._explored = [0, 0]
+            stats["agent/explored_rate"] = self._drawn / max(1, self._sampled)
+            self._drawn = self._sampled = 0
         if self.sampling_seed is not None:
             stats.update(
                 {
