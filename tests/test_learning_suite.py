@@ -108,3 +108,11 @@ def test_groups_of_envs_share_a_seed_per_episode_and_nothing_else_does():
         assert seeds[0, episode] == seeds[1, episode] and seeds[2, episode] == seeds[3, episode]
     distinct = {(env // 2, episode) for env, episode in seeds}
     assert len(set(seeds.values())) == len(distinct) == 9  # 3 groups (the last of one env) x 3 episodes
+
+
+def test_the_cpu_is_named_with_its_family_and_model_where_cpuinfo_gives_them():
+    cpu_model = load_benchmark().cpu_model
+    zen4 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+    assert cpu_model(zen4 + zen4.replace("processor\t: 0", "processor\t: 1")) == "AMD EPYC (family 25, model 17)"
+    assert cpu_model("processor\t: 0\nmodel name\t: Some ARM core\n") == "Some ARM core"  # no family: the name
+    assert cpu_model("") and cpu_model()  # no model name: what the platform says
