@@ -7,8 +7,8 @@ most of the head's time (16 rows: 26 ms against 5.6 ms with the weight already i
 sampled acting ran 1.37x faster (`benchmarks/head_cast.py`). Kept, the bf16 copy gives exactly the numbers autocast's
 cast gives (the same rounding of the same weight) and costs its memory once (56 MB there), where autocast allocated
 it at every call. Only the head: keeping the casts of every other frozen linear layer too, during a `generate` call
-only (212 MB more there, given back after it), made sampled acting 1.02x faster on that CPU (their matrices are small
-and the products' own time dominates), not worth the memory.
+only (their bf16 copies, 212 MB there, given back after it), made sampled acting 1.02x faster on that CPU (their
+matrices are small and the products' own time dominates), not worth the memory.
 """
 
 from __future__ import annotations
