@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 from peft import LoraConfig
@@ -148,3 +150,20 @@ def test_wrapping_a_model_in_lora_prints_no_deprecation_warning(model, recwarn):
     warnings.simplefilter("always")
     Policy(model)
     assert not [w for w in recwarn if "is_gradient_checkpointing" in str(w.message)]
+
+
+def test_a_bf16_policy_on_a_cpu_caps_onednn_cache_unless_the_user_set_one(tokenizer, lora_config, monkeypatch):
+    from llamagym.models import host_memory
+    from llamagym.models.tiny_random import build_tiny_model
+
+    environ = {k: v for k, v in os.environ.items() if k not in host_memory.ONEDNN_CACHE_VARIABLES}
+    monkeypatch.setattr(os, "environ", environ)
+    Policy(build_tiny_model(tokenizer, seed=0), lora_config, precision="fp32")
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in environ  # fp32 products do not go through oneDNN's cache
+    Policy(build_tiny_model(tokenizer, seed=0), lora_config, precision="bf16")
+    assert environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(host_memory.ONEDNN_CACHE_CAPACITY) == "128"
+    environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = "512"  # the user's setting wins, under either of its names
+    assert host_memory.bound_onednn_cache() is False and environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "512"
+    del environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]
+    environ["DNNL_PRIMITIVE_CACHE_CAPACITY"] = "64"
+    assert host_memory.bound_onednn_cache() is False and "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in environ

@@ -5,7 +5,7 @@
 - `devices.py`          device and dtype resolution ("auto" = cuda, then mps, then cpu)
 - `policy.py`           `Policy`: a peft LoRA model plus an fp32 value head
 - `frozen_cache.py`     reuse of the frozen lower layers' output across forward passes
-- `host_memory.py`      freed CPU memory handed back to the system after each update
+- `host_memory.py`      freed CPU memory handed back to the system after each update; oneDNN's cache capped
 - `tiny_random.py`      a tiny random chat model and tokenizer built locally (tests, smoke runs)
 
 Importing this package is instant (no torch): `llamagym models` lists the registry without loading anything.

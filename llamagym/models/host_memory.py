@@ -1,5 +1,5 @@
-"""Hand freed CPU memory back to the operating system (glibc's `malloc_trim`): after each update, and within one
-whenever the freed memory it holds grows past a bound.
+"""Keep a CPU process's memory in bounds: hand freed memory back to the operating system (glibc's `malloc_trim`)
+after each update, and within one whenever the freed memory it holds grows past a bound; cap oneDNN's cache.
 
 PyTorch's CPU tensors come from the C library's malloc. glibc serves a request below its mmap threshold from a heap,
 and raises that threshold (up to 32 MiB) whenever a larger block is freed, so after the first large tensor nearly
@@ -10,6 +10,12 @@ in about 15 ms. Trimming after every optimizer step instead of every update held
 20-50% slower, since each step faults the same pages in again; within an update of many steps the freed heap still
 grew by 0.2-0.5 GiB (tic-tac-toe's 36 steps, twenty-third session), so `FreedMemoryBound` trims there only when the
 resident memory has grown a bound past one step's working set. Elsewhere (macOS, Windows, musl) both do nothing.
+
+Live memory grew too: bf16 matrix products on a CPU run as oneDNN primitives, one set per shape, kept in a cache of
+up to 1024. Generate mode meets new lengths in every batch, so that cache only filled: over guess-the-number's first
+seven updates the resident memory after an update rose from 1.15 to 1.60 GiB with it, from 1.10 to 1.33 GiB with it
+capped at 128, at the same 22.5 s an update (docs/learning-that-holds.md, thirty-seventh session).
+`bound_onednn_cache` caps it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,11 @@ import os
 # 4-8 times and took 1.27x as long; at 256 MiB 0-3 times, and tic-tac-toe's took 1.05x, within single updates'
 # spread (twenty-third session).
 DEFAULT_SLACK_MIB = 256
+
+# oneDNN's primitive cache capacity (its own default is 1024), unless the user sets one (see `bound_onednn_cache`).
+# At 8 every primitive is made again and an update took 1.6x as long (twenty-third session); 128 cost no time.
+ONEDNN_CACHE_CAPACITY = 128
+ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY")
 
 
 @functools.cache
@@ -44,6 +55,17 @@ def release_freed_memory() -> bool:
     if trim is None:
         return False
     trim(0)
+    return True
+
+
+def bound_onednn_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> bool:
+    """Cap oneDNN's primitive cache at `capacity` primitives, unless the environment already sets a capacity (the
+    user's choice wins); True when this call set it. oneDNN reads the setting when the process makes its first
+    primitive, so this must run before the first bf16 matrix product on the CPU (a policy calls it as it is built).
+    """
+    if any(name in os.environ for name in ONEDNN_CACHE_VARIABLES):
+        return False
+    os.environ[ONEDNN_CACHE_VARIABLES[0]] = str(capacity)
     return True
 
 

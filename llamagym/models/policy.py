@@ -36,6 +36,7 @@ from . import checkpointing
 from .devices import resolve_precision
 from .frozen_cache import FrozenLayerCache, frozen_prefix_layers, probe
 from .head_cast import keep_head_cast
+from .host_memory import bound_onednn_cache
 from .prefill import Prefilled, prefill
 from .registry import GENERIC_SPEC, ModelSpec
 
@@ -175,6 +176,8 @@ class Policy(nn.Module):
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.value_head = ValueHead(text_config.hidden_size).to(self.device)
         self.precision = resolve_precision(precision, self.device)
+        if self.precision == "bf16" and self.device.type == "cpu":
+            bound_onednn_cache()  # before the first bf16 product: oneDNN's cache would fill with every new length
         # Gemma-2-style logit soft-capping lives in the causal LM's forward, so the LM-head shortcut would skip it.
         self._full_forward = getattr(text_config, "final_logit_softcapping", None) is not None
         self.frozen_cache = self._frozen_cache(frozen_cache_mb, text_config.vocab_size)
