@@ -32,7 +32,8 @@ import os
 DEFAULT_SLACK_MIB = 256
 
 # oneDNN's primitive cache capacity (its own default is 1024), unless the user sets one (see `bound_onednn_cache`).
-# At 8 every primitive is made again and an update took 1.6x as long (twenty-third session); 128 cost no time.
+# At 8 every primitive is made again and an update took 1.6x as long (twenty-third session); at 128 generate mode's
+# updates took as long as at 1024, scoring mode's 1.04x over a 3-minute probe (thirty-seventh session).
 ONEDNN_CACHE_CAPACITY = 128
 ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY")
 
