@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from llamagym.algos.natural_gradient import (
+    PRODUCT_COLUMNS,
     NaturalGradient,
     RowGradients,
     natural_coefficients,
@@ -225,3 +226,42 @@ def test_sft_replay_steps_work_beside_natural_gradient_steps(model, lora_config,
     ]
     stats = trainer.step(episodes)
     assert stats["sft/loss"] > 0 and stats["ppo/minibatches"] == 1
+
+
+def test_natural_direction_of_bfloat16_grads_is_the_float32_step_of_their_rounded_values():
+    torch.manual_seed(0)
+    grads = torch.randn(5, 2 * PRODUCT_COLUMNS + 7).to(torch.bfloat16)  # three blocks, the last a short one
+    targets = torch.rand(5) + 0.5
+    step, norm = natural_direction(grads, targets, damping=0.1, scale=0.01, max_norm=1e9)
+    expected, expected_norm = natural_direction(grads.double(), targets.double(), 0.1, 0.01, 1e9)
+    assert step.dtype == torch.float32 and step.shape == (grads.shape[1],)
+    torch.testing.assert_close(step, expected.float(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(norm, expected_norm.float(), rtol=1e-5, atol=1e-7)
+
+
+def test_natural_gradient_holds_its_per_input_gradients_in_grad_dtype():
+    torch.manual_seed(0)
+    body, head = torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)
+    adamw = torch.optim.AdamW([{"params": list(body.parameters())}, {"params": list(head.parameters())}], lr=0.1)
+    x = torch.randn(4, 3)
+    moves = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        params = list(body.parameters())
+        before = [p.detach().clone() for p in params]
+        optimizer = NaturalGradient(RowGradients(body, params), adamw, lr=0.5, damping=0.1, max_norm=10.0)
+        optimizer.grad_dtype = dtype
+        optimizer.zero_grad()
+        optimizer.expect(inputs=4, turns=4)
+        assert optimizer._grads.dtype == dtype
+        with optimizer.recording() as watch:
+            out = body(x)
+            watch(out)
+            (out * torch.tensor([1.0, -2.0])).sum().backward()
+        assert torch.isfinite(optimizer.clip_grad_norm())
+        optimizer.step()
+        moves[dtype] = torch.cat([(b - p.detach()).flatten() for b, p in zip(before, params, strict=True)])
+        with torch.no_grad():
+            for b, p in zip(before, params, strict=True):
+                p.copy_(b)
+    # bfloat16 rounds G's entries only (8 bits of mantissa): the step is float32's to within about 1%
+    torch.testing.assert_close(moves[torch.bfloat16], moves[torch.float32], rtol=2e-2, atol=2e-3)

@@ -296,6 +296,20 @@ def test_generate_mode_takes_plain_steps_without_the_noisy_bound_unless_asked(mo
     )
     stats = asked.step(episodes)
     assert asked.policy_optimizer is asked.natural is not None and "trust/scale" in stats
+    assert asked.natural.grad_dtype == torch.float32
+    low = PPOTrainer(  # a bf16 policy holds generate mode's per-input gradients in bf16, scoring mode's in float32
+        Policy(build_tiny_model(tokenizer, seed=0), lora_config, precision="bf16"),
+        PPOConfig(natural_gradient=True),
+        tokenizer.pad_token_id,
+    )
+    low.step(episodes)
+    assert low.policy_optimizer is low.natural and low.natural.grad_dtype == torch.bfloat16
+    scored = [
+        Episode([Turn(p, c[0], float(i), candidates=c, choice=0)])
+        for i, (p, c) in enumerate(zip(PROMPTS, CANDIDATES, strict=True))
+    ]
+    low.step(scored)
+    assert low.natural.grad_dtype == torch.float32
 
 
 def test_minibatches_by_default_one_whole_batch_natural_step_two_epochs_of_eight_turns_for_adamw(

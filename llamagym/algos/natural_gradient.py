@@ -20,6 +20,10 @@ on the adapter's `nn.Linear` modules (LoRA A and B): no extra forward or backwar
 AdamW step on features it no longer back-propagates into.
 `NaturalGradient` wraps both as one optimizer: `zero_grad()`, the forward passes inside `recording()`, the backward
 passes, then `clip_grad_norm()` and `step()`, called as the trainer calls them on its AdamW.
+
+Memory: G has one row of the adapter's P weights per distinct input (491,520 floats for the registry's LoRA on 8
+layers). `NaturalGradient.grad_dtype` may hold it in bfloat16, half the bytes; its products (the Gram matrix K, the
+step G^T alpha) are then taken in float32 a block of columns at a time, so only G's entries are rounded.
 """
 
 from __future__ import annotations
@@ -98,8 +102,9 @@ class RowGradients:
     def take(self, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(G, t) of the rows recorded since the last call, and forget them.
 
-        With `out` (a float32 (>= B, P) view, e.g. the free rows of a buffer holding a whole minibatch), G is
-        written into its first B rows and returned, so no second copy of the per-row gradients is made.
+        With `out` (a float32 or bfloat16 (>= B, P) view, e.g. the free rows of a buffer holding a whole minibatch),
+        G is written into its first B rows (rounded to its dtype) and returned, so no second copy of the per-row
+        gradients is made.
         """
         if self._out_sq is None or not self._grads:
             raise RuntimeError("RowGradients.take() before a recorded forward and backward pass.")
@@ -163,10 +168,14 @@ class NaturalGradient:
             is scaled by the minibatch's turn count. Annealed through `param_groups[0]["lr"]`, as AdamW's is.
         damping: `natural_damping` (see `natural_coefficients`).
         max_norm: the cap on the step's norm, and the value head's gradient clip.
+
+    `grad_dtype` (float32; settable between steps) is the dtype G is held in from the next `expect()` on: bfloat16
+    halves its memory (see the module docstring). Data-parallel steps keep float32 (G is gathered across ranks).
     """
 
     def __init__(self, rows: RowGradients, value_optimizer, lr: float, damping: float, max_norm: float):
         self.rows, self.value_optimizer = rows, value_optimizer
+        self.grad_dtype = torch.float32
         self.params = rows.params
         self.param_groups = [{"params": self.params, "lr": lr}]
         self.value_params = [p for group in value_optimizer.param_groups[1:] for p in group["params"]]
@@ -195,7 +204,8 @@ class NaturalGradient:
         then solved over every rank's rows, an input met on several ranks merged into one row (see `_gathered`).
         """
         self.rows.clear()
-        self._grads = torch.empty(inputs, self.rows.width, device=self.params[0].device)
+        dtype = self.grad_dtype if keys is None else torch.float32
+        self._grads = torch.empty(inputs, self.rows.width, device=self.params[0].device, dtype=dtype)
         self._filled, self._targets, self._turns = 0, [], turns
         self._keys, self._outputs = keys, []
         self.rows.keep_outputs = keys is not None
@@ -261,6 +271,9 @@ class NaturalGradient:
         return merged, merged_outputs.pow(2).sum(1)
 
 
+PRODUCT_COLUMNS = 65536  # columns of a bfloat16 G cast to float32 at a time (a block of 160 inputs: 42 MB)
+
+
 def natural_coefficients(gram: torch.Tensor, targets: torch.Tensor, damping: float) -> torch.Tensor:
     """alpha solving (K + damping * mean(K_ii / t_i) * diag(t)) alpha = t (see the module docstring).
 
@@ -286,9 +299,20 @@ def natural_direction(
     grads: torch.Tensor, targets: torch.Tensor, damping: float, scale: float, max_norm: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(step, norm): the flat parameter step to *subtract*, `scale * G^T alpha` capped at `max_norm`, and its
-    norm before the cap (non-finite when the solve failed; the caller then skips the step)."""
-    alpha = natural_coefficients(grads @ grads.T, targets, damping)
-    step = grads.T @ alpha.to(grads.dtype) * scale
+    norm before the cap (non-finite when the solve failed; the caller then skips the step).
+
+    `grads` in bfloat16 gives a float32 step: its products are taken in float32, a block of columns at a time."""
+    if grads.dtype != torch.bfloat16:
+        alpha = natural_coefficients(grads @ grads.T, targets, damping)
+        step = grads.T @ alpha.to(grads.dtype) * scale
+    else:
+        blocks = [grads[:, i : i + PRODUCT_COLUMNS] for i in range(0, grads.shape[1], PRODUCT_COLUMNS)]
+        gram = grads.new_zeros(grads.shape[0], grads.shape[0], dtype=torch.float32)
+        for block in blocks:
+            block = block.float()
+            gram += block @ block.T
+        alpha = natural_coefficients(gram, targets.float(), damping)
+        step = torch.cat([block.float().T @ alpha for block in blocks]) * scale
     norm = step.norm()
     if norm > max_norm:  # a trust region: the linearisation holds for small parameter moves only
         step = step * (max_norm / norm)

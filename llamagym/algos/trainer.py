@@ -156,6 +156,9 @@ class PPOTrainer:
         # runs it undid every step (docs/learning-that-holds.md): there they run only when asked for explicitly.
         natural = self.natural is not None and (mode.exact_kl or cfg.natural_gradient is True)
         self.policy_optimizer = self.natural if natural else self.optimizer
+        if natural:  # generate mode's update holds its replies' activations too: G in bf16 where the policy is
+            low = not mode.exact_kl and self.policy.precision == "bf16"
+            self.natural.grad_dtype = torch.bfloat16 if low else torch.float32
         region = self.trust_region if mode.exact_kl or cfg.max_kl_generate else None
         data = UpdateBatch(mode, batch, mode.distinct_inputs(turns), mode.action_mask(batch))
         mask = data.mask
