@@ -214,6 +214,10 @@ def test_agent_hooks_render_parse_and_list_free_cells(agent):
         assert agent.extract_action(reply) == action
     for reply in ["", "no idea", "0", "10", "X"]:
         assert agent.extract_action(reply) is None
+    # a redrawn board is an echo, not a move: its lines are skipped, a number outside them still counts
+    for reply, action in [("1|2|3", None), ("X|2|O\n4|X|6", None), ("O|O|O", None), ("7\n1|2|3\n4|5|6", 7)]:
+        assert agent.extract_action(reply) == action
+    assert agent.extract_action("X | 2 | O\nI play 4.") == 4
     assert agent.context_turns == 0
     ids, _ = agent.formatter.prompt_ids(agent.get_system_prompt(), [{"role": "user", "content": "X|2|O"}])
     text = agent.tokenizer.decode(ids)

@@ -311,8 +311,13 @@ class TicTacToeAgent(Agent):
 
     def extract_action(self, response: str) -> int | None:
         """The first standalone digit 1-9 in `response`, the cell number and so the action itself, or None. The
-        reply alone cannot tell whether the cell is free: the env punishes an occupied one."""
-        match = _CELL_NUMBER.search(response)
+        reply alone cannot tell whether the cell is free: the env punishes an occupied one.
+
+        Lines with a '|' draw the board and are skipped: a redrawn row ("1|2|3") is an echo of the observation, not
+        a choice, and read as a move it would be rewarded whenever its first free cell wins, teaching the model to
+        redraw boards, which late in a game hold no free cell to read."""
+        text = "\n".join(line for line in response.splitlines() if "|" not in line)
+        match = _CELL_NUMBER.search(text)
         return int(match.group()) if match else None
 
     def action_candidates(self, observation) -> list[str]:
