@@ -57,7 +57,7 @@ def parse_args():
     parser.add_argument(
         "--natural-gradient",
         action=argparse.BooleanOptionalAction,
-        help="PPO steps in function space, per state (the default in scoring mode); --no-natural-gradient = AdamW",
+        help="PPO steps in function space, per state (the default with LoRA); --no-natural-gradient = AdamW",
     )
     parser.add_argument("--target-kl", type=float, help="also stop an update past 1.5x this KL")
     parser.add_argument("--lora-layers", type=int, help="adapt the top N layers only (0 = all)")

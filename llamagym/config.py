@@ -92,7 +92,7 @@ class PPOConfig:
     target_kl: float = 0.05  # approx_kl (new vs old policy) limit for early stopping
     weight_decay: float = 0.0  # AdamW weight decay
     natural_gradient: bool | None = None  # PPO steps in function space over the minibatch's distinct inputs (see
-    # llamagym.algos.natural_gradient); None = in scoring mode when every trained weight is in a Linear layer (LoRA)
+    # llamagym.algos.natural_gradient); None = on when every trained weight is in a Linear layer (LoRA)
     natural_step: float = 1.0  # natural_gradient: output move per unit of an input's per-turn output gradient
     natural_damping: float = 0.1  # natural_gradient: relative damping (larger is closer to a plain gradient step)
     average_updates: int = 10  # greedy acting uses the adapter's average over about this many updates (Polyak;

@@ -151,10 +151,10 @@ class PPOTrainer:
         if self.policy.frozen_cache is not None:  # frozen-layer states unused for the mode's rounds go
             self.policy.frozen_cache.next_round(mode.cache_rounds)
         batch = mode.collate(turns, self.pad_token_id, self.policy.device)
-        # Natural steps and the trust region are automatic where the KL is exact (scoring mode, over the candidates).
-        # In generate mode the bound is a k3 estimate summed over sampled reply tokens, and in the suite's generate
-        # runs it undid every step (docs/learning-that-holds.md): there they run only when asked for explicitly.
-        natural = self.natural is not None and (mode.exact_kl or cfg.natural_gradient is True)
+        # Natural steps are automatic in every mode (LoRA), the trust region only where the KL is exact (scoring mode,
+        # over the candidates): in generate mode the bound is a k3 estimate summed over sampled reply tokens, and in the
+        # suite's generate runs it undid every step (docs/learning-that-holds.md), so it runs there only when asked.
+        natural = self.natural is not None
         self.policy_optimizer = self.natural if natural else self.optimizer
         if natural:  # generate mode's update holds its replies' activations too: G in bf16 where the policy is
             low = not mode.exact_kl and self.policy.precision == "bf16"
@@ -166,7 +166,7 @@ class PPOTrainer:
         # so the first minibatch repeats that exact forward and its ratio is exactly 1 (1 up to rounding for the
         # inputs whose old outputs acting computed, `recall`).
         # Minibatches: a natural step solves over every distinct input at once, so it takes the whole batch; an AdamW
-        # step is one small move, so plain steps take several per epoch (generate mode learned with 8-turn ones).
+        # step is one small move, so plain steps take several per epoch (8 turns each, as generate mode once learned).
         size = cfg.mini_batch_size or (len(turns) if natural else PLAIN_MINI_BATCH)
         self._loss_options = _loss_options(cfg, mask)
         plans = self._plans(len(turns), size, whole=natural and cfg.mini_batch_size is None)

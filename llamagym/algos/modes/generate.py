@@ -3,9 +3,10 @@
 It chooses by batched sampling from softmax(logits / temperature) (no top-k or top-p: PPO must score the
 distribution it samples from), cutting each reply after its first end-of-turn token. Its input is the prompt and
 the reply; its log-probs are the reply's tokens' (`Policy.forward`), and the KL to the batch's policy is the k3
-estimate summed over the sampled reply, which is noisy: natural steps and the trust region run here only when
-`PPOConfig` asks for them. In fp32, sampling keeps what it computed for each reply (its tokens' log-probs, the value
-at the last prompt token) until the weights change, and the update takes its old outputs from there (`recall`).
+estimate summed over the sampled reply, which is noisy: the trust region runs here only when `PPOConfig` asks for
+it (`max_kl_generate`); natural steps run as in scoring mode. In fp32, sampling keeps what it computed for each reply
+(its tokens' log-probs, the value at the last prompt token) until the weights change, and the update takes its old
+outputs from there (`recall`).
 """
 
 from __future__ import annotations
