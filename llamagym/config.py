@@ -52,9 +52,8 @@ class PPOConfig:
     # (scoring mode), 2 for AdamW steps
     gamma: float = 1.0  # discount across the turns of an episode
     lam: float = 0.95  # GAE lambda (1 = Monte-Carlo return, 0 = one-step TD)
-    advantage: str = "gae"  # advantage estimator (llamagym.algos.estimators): gae (value head), gae_state (its
-    # baseline pooled over a state's visits in the batch), or critic-free grpo, rloo, rebn, gigpo; those ignore
-    # whiten_advantages (they center their own), the value head still trains
+    advantage: str = "gae"  # advantage estimator (llamagym.algos.estimators): gae (value head), or critic-free grpo,
+    # rloo, rebn, gigpo; those ignore whiten_advantages (they center their own), the value head still trains
     group_std_scaling: bool = True  # grpo/gigpo: divide by the group's return std (False = Dr.GRPO's unscaled)
     clip_coef: float = 0.2  # PPO ratio clip range
     clip_coef_high: float | None = None  # upper clip 1 + clip_coef_high (DAPO's clip-higher); None = clip_coef

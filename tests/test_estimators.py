@@ -128,45 +128,11 @@ def test_gae_reproduces_the_per_episode_ppo_gae_path_with_a_truncated_episode():
     assert torch.equal(adv, torch.cat([a0, a1])) and torch.equal(ret, torch.cat([r0, r1]))
 
 
-def test_gae_state_judges_a_state_met_again_by_its_other_visits_returns():
-    # Three one-turn episodes from one state (key 0): returns 1, 0, 0, V = 0.5 each. n = 3; the others' returns sum
-    # to 0, 1, 1: b = (0 + 0.5) / 3, (1 + 0.5) / 3, (1 + 0.5) / 3; A = G - b at gamma = lam = 1.
-    batch = batch_of([[1.0], [0.0], [0.0]], [0, 0, 0], values=[0.5, 0.5, 0.5], step_key=[0, 0, 0])
-    adv, ret, stats = estimators.gae_state(batch, gamma=1.0, lam=1.0)
-    assert_close(adv, torch.tensor([1 - 0.5 / 3, -0.5, -0.5]))
-    assert_close(ret, torch.tensor([1.0, 0.0, 0.0]))  # lambda = 1: the returns themselves
-    assert stats == {"adv/repeated_turns": 1.0}
-
-
-def test_gae_state_bootstraps_through_pooled_baselines_of_later_states():
-    # e0: rewards [0, 1] in states 0, 1; e1: rewards [0, 0] in states 0, 2; V = [0.2, 0.4, 0.2, 0.6]; gamma 1, lam 0.5.
-    # G = [1, 1, 0, 0]. State 0 (n = 2): b_0 = (0 + 0.2) / 2 = 0.1, b_2 = (1 + 0.2) / 2 = 0.6; states 1, 2 once: V.
-    # e0: A_1 = 1 - 0.4 = 0.6; A_0 = (0 + 0.4 - 0.1) + 0.5 x 0.6 = 0.6. e1: A_3 = -0.6; A_2 = (0 + 0.6 - 0.6) - 0.3.
-    batch = batch_of([[0.0, 1.0], [0.0, 0.0]], [0, 0], values=[0.2, 0.4, 0.2, 0.6], step_key=[0, 1, 0, 2])
-    adv, ret, stats = estimators.gae_state(batch, gamma=1.0, lam=0.5)
-    assert_close(adv, torch.tensor([0.6, 0.6, -0.3, -0.6]))
-    assert_close(ret, torch.tensor([0.7, 1.0, 0.3, 0.0]))  # A + b
-    assert stats == {"adv/repeated_turns": 0.5}
-
-
-def test_gae_state_is_gae_when_no_state_comes_back_and_counts_a_truncated_bootstrap_in_the_pooled_returns():
-    batch = batch_of([[0.0, 1.0], [0.0]], [0, 0], [True, False], [0.5, 0.2, 0.4], [0.0, 1.0], step_key=[0, 1, 2])
-    plain, pooled = estimators.gae(batch, 0.9, 0.8), estimators.gae_state(batch, 0.9, 0.8)
-    assert torch.equal(pooled.advantages, plain.advantages) and torch.equal(pooled.returns, plain.returns)
-    # e0 (terminal) and e1 (truncated, V(next) = 1) from one state at gamma 0.9, lam 1: G = 0 + 0.9 x 1 and 0.9
-    # (the bootstrap, discounted); each is the other's baseline with its V: b = (0.9 + 0.5) / 2, (0.9 + 0.4) / 2.
-    batch = batch_of([[0.0, 1.0], [0.0]], [0, 0], [True, False], [0.5, 0.2, 0.4], [0.0, 1.0], step_key=[0, 1, 0])
-    adv = estimators.gae_state(batch, 0.9, 1.0).advantages
-    assert_close(adv, torch.tensor([0.9 - 0.7, 0.8, 0.9 - 0.65]))
-
-
 def test_gae_without_values_raises_and_gigpo_without_step_keys_raises():
     with pytest.raises(ValueError, match="gae estimator needs `values`"):
         estimators.gae(batch_of([[1.0]], [0]), 1.0, 0.95)
     with pytest.raises(ValueError, match="gigpo estimator needs `step_key`"):
         estimators.gigpo(batch_of([[1.0]], [0]), 1.0)
-    with pytest.raises(ValueError, match="gae_state estimator needs `values`.*and `step_key`"):
-        estimators.gae_state(batch_of([[1.0]], [0], values=[0.0]), 1.0, 0.95)
 
 
 def test_equal_returns_up_to_float_noise_count_as_a_zero_variance_group():
@@ -175,16 +141,14 @@ def test_equal_returns_up_to_float_noise_count_as_a_zero_variance_group():
 
 
 def test_registry_lists_the_builtins_and_says_which_need_a_value_head():
-    assert estimators.names() == ("gae", "gae_state", "grpo", "rloo", "rebn", "gigpo")
-    needs = [estimators.get_estimator(n).needs_value for n in estimators.names()]
-    assert needs == [True, True, False, False, False, False]
+    assert estimators.names() == ("gae", "grpo", "rloo", "rebn", "gigpo")
+    assert [estimators.get_estimator(n).needs_value for n in estimators.names()] == [True, False, False, False, False]
 
 
 def test_unknown_estimator_error_lists_the_known_names():
-    known = "gae, gae_state, grpo, rloo, rebn, gigpo"
-    with pytest.raises(ValueError, match=rf"Unknown advantage estimator 'ppo'\. Known: {known}"):
+    with pytest.raises(ValueError, match=r"Unknown advantage estimator 'ppo'\. Known: gae, grpo, rloo, rebn, gigpo"):
         estimators.get_estimator("ppo")
-    with pytest.raises(ValueError, match=rf"`advantage` should be one of {known}"):
+    with pytest.raises(ValueError, match=r"`advantage` should be one of gae, grpo, rloo, rebn, gigpo"):
         PPOConfig(advantage="ppo")
 
 

@@ -399,7 +399,7 @@ def test_policy_loss_options_default_to_none_and_dr_grpo_uses_the_longest_reply(
         ("clip_coef_high", 0.0, "None or a number > 0"),
         ("loss_aggregation", "sum", "one of token_mean, sequence_mean, dr_grpo"),
         ("group_std_scaling", 1, "True or False"),
-        ("advantage", "ppo", "one of gae, gae_state, grpo, rloo, rebn, gigpo"),
+        ("advantage", "ppo", "one of gae, grpo, rloo, rebn, gigpo"),
         ("cap_cut_replies", 0, "True or False"),
     ],
 )

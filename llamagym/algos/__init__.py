@@ -5,7 +5,7 @@
 - `modes/`              action modes, one file each (generate, score): choosing at act time, collating, evaluating,
                         the KL and the same-input key; `register_mode` adds one
 - `ppo.py`              PPO math as pure tensor functions: log-probs, GAE, KL estimators, clipped losses
-- `estimators.py`       advantage estimators by name (gae, gae_state, grpo, rloo, rebn, gigpo) and their registry
+- `estimators.py`       advantage estimators by name (gae, grpo, rloo, rebn, gigpo) and their registry
 - `trainer.py`          `PPOTrainer`: one update over a batch of episodes (advantages, epochs, value refit, SFT)
 - `natural_gradient.py` natural-gradient steps over the batch's distinct inputs (`NaturalGradient`, an optimizer)
 - `trust_region.py`     the KL trust region every step is checked against (TRPO's line search)

@@ -5,7 +5,6 @@ an `Estimate`: advantages (T,), returns (T,) (the value head's targets) and a sm
 by name with `register_estimator(name, needs_value)`; `PPOConfig.advantage` picks one, `get_estimator` looks it up.
 
 - `gae`:   GAE over the turns of each episode with the value head, bootstrapping truncated episodes (the default).
-- `gae_state`: `gae` whose baseline in a state the batch met more than once pools the other visits' returns.
 - `grpo`:  the episode's return minus its group's mean (/ the group's std when `scale`), on every turn of it.
 - `rloo`:  the episode's return minus the mean of the other episodes of its group (leave-one-out).
 - `rebn`:  discounted returns-to-go normalised over the whole batch (GEM's ReBN).
@@ -174,39 +173,6 @@ def gae(batch: AdvantageBatch, gamma: float, lam: float, scale: bool = True) -> 
         advantages[span], returns[span] = ppo.gae(rewards[span], values[span], dones, last_value, gamma, lam)
         offset += n
     return Estimate(advantages, returns, {})
-
-
-@register_estimator("gae_state", needs_value=True)
-def gae_state(batch: AdvantageBatch, gamma: float, lam: float, scale: bool = True) -> Estimate:
-    """`gae` with a baseline pooled over the visits of each state: in a state the batch met n times, the value head
-    counts as one visit beside the n - 1 others' returns.
-
-    b_t = (Σ_{j ≠ t, s_j = s_t} G_j + V_t) / n_t,  n_t the batch's turns in turn t's state (`step_key`), G_j the
-    return-to-go of turn j (a truncated episode's bootstrap included, discounted); then `gae` with b in place of V:
-    A_t = δ_t + γλ(1 - d_t) A_{t+1},  δ_t = r_t + γ(1 - d_t) b_{t+1} - b_t;  R_t = A_t + b_t.
-    A state met once keeps b = V (plain `gae`); one met often is judged by what its other visits earned (leave-one-
-    out: a turn's own return is never its baseline), which no value head has to have learned. `scale` is unused (the
-    trainer whitens, as for `gae`). Stats: adv/repeated_turns, the share of turns whose state the batch met again.
-
-    Raises:
-        ValueError: `batch.values` or `batch.step_key` is None.
-    """
-    if batch.values is None or batch.step_key is None:
-        raise ValueError("The gae_state estimator needs `values` (the value head's V(s) per turn) and `step_key`.")
-    rewards = batch.rewards.clone()
-    if batch.bootstrap is not None:  # fold a truncated episode's V(next state) into its last reward (see ppo.gae)
-        last = torch.bincount(batch.episode, minlength=len(batch.terminal)).cumsum(0) - 1
-        truncated = ~batch.terminal & (last >= 0)
-        rewards[last[truncated]] += gamma * batch.bootstrap[truncated].to(rewards.dtype)
-    returns = returns_to_go(rewards, batch.episode, gamma)
-    _, inverse = torch.unique(batch.step_key, return_inverse=True)
-    n = torch.zeros(int(inverse.max()) + 1, dtype=returns.dtype, device=returns.device).index_add_(
-        0, inverse, torch.ones_like(returns)
-    )
-    total = torch.zeros_like(n).index_add_(0, inverse, returns)
-    baseline = (total[inverse] - returns + batch.values) / n[inverse]
-    advantages, targets, _ = gae(batch._replace(values=baseline), gamma, lam)
-    return Estimate(advantages, targets, {"adv/repeated_turns": float((n[inverse] > 1).float().mean())})
 
 
 @register_estimator("grpo", needs_value=False)
