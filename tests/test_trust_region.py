@@ -281,6 +281,12 @@ def test_trust_region_keeps_each_update_within_max_kl_of_the_old_policy(model, l
     assert stats["trust/kl_max"] >= stats["trust/kl"]
 
 
+def fresh_trainer(lora_config, tokenizer, config: PPOConfig, precision: str = "fp32") -> PPOTrainer:
+    """A trainer on a new tiny model (seed 0) with `config`."""
+    policy = Policy(build_tiny_model(tokenizer, seed=0), lora_config, precision=precision)
+    return PPOTrainer(policy, config, tokenizer.pad_token_id)
+
+
 def test_generate_mode_takes_natural_steps_without_the_noisy_bound_unless_asked(model, lora_config, tokenizer):
     episodes = [
         Episode([Turn(p, c[0], float(i % 2), candidates=None)])
@@ -290,26 +296,15 @@ def test_generate_mode_takes_natural_steps_without_the_noisy_bound_unless_asked(
     stats = trainer.step(episodes)  # the defaults: natural steps in every mode, the trust region in scoring mode
     assert trainer.policy_optimizer is trainer.natural is not None
     assert "trust/kl" not in stats and "trust/scale" not in stats
-    plain = PPOTrainer(
-        Policy(build_tiny_model(tokenizer, seed=0), lora_config, precision="fp32"),
-        PPOConfig(natural_gradient=False),
-        tokenizer.pad_token_id,
-    )
+    plain = fresh_trainer(lora_config, tokenizer, PPOConfig(natural_gradient=False))
     plain.step(episodes)
     assert plain.policy_optimizer is plain.optimizer
-    asked = PPOTrainer(
-        Policy(build_tiny_model(tokenizer, seed=0), lora_config, precision="fp32"),
-        PPOConfig(natural_gradient=True, max_kl_generate=True),
-        tokenizer.pad_token_id,
-    )
+    asked = fresh_trainer(lora_config, tokenizer, PPOConfig(natural_gradient=True, max_kl_generate=True))
     stats = asked.step(episodes)
     assert asked.policy_optimizer is asked.natural is not None and "trust/scale" in stats
     assert asked.natural.grad_dtype == torch.float32
-    low = PPOTrainer(  # a bf16 policy holds generate mode's per-input gradients in bf16, scoring mode's in float32
-        Policy(build_tiny_model(tokenizer, seed=0), lora_config, precision="bf16"),
-        PPOConfig(),
-        tokenizer.pad_token_id,
-    )
+    # a bf16 policy holds generate mode's per-input gradients in bf16, scoring mode's in float32
+    low = fresh_trainer(lora_config, tokenizer, PPOConfig(), precision="bf16")
     low.step(episodes)
     assert low.policy_optimizer is low.natural and low.natural.grad_dtype == torch.bfloat16
     scored = [
@@ -334,11 +329,7 @@ def test_minibatches_by_default_one_whole_batch_natural_step_two_epochs_of_eight
     assert trainer.step(generated)["ppo/minibatches"] == 1  # the whole batch once, in generate mode too
     natural = trainer.step(scored_episodes([1.0, 0.0] * 5, [0, 1] * 5))
     assert natural["ppo/minibatches"] == 1  # the whole batch once: one solve over its distinct inputs
-    plain = PPOTrainer(
-        Policy(build_tiny_model(tokenizer, seed=0), lora_config, precision="fp32"),
-        PPOConfig(natural_gradient=False),
-        tokenizer.pad_token_id,
-    )
+    plain = fresh_trainer(lora_config, tokenizer, PPOConfig(natural_gradient=False))
     assert plain.step(generated)["ppo/minibatches"] == 2 * 2  # 2 epochs x (8 + 2 turns): AdamW steps
     trainer.config.ppo_epochs = 3
     assert trainer.step(scored_episodes([1.0, 0.0] * 5, [0, 1] * 5))["ppo/epochs_completed"] == 3
