@@ -85,6 +85,22 @@ def test_the_next_step_starts_where_the_last_accepted_one_suggests():
     torch.testing.assert_close(w.detach() - start, torch.tensor([0.1 * result["scale"]]))
 
 
+def test_a_step_of_zero_leaves_the_next_start_as_it_was():
+    w = torch.nn.Parameter(torch.zeros(1))
+    region = TrustRegion([w], max_kl=0.02)
+    region.start = 0.3
+    for _ in range(3):  # batches of equal returns: advantages 0, a natural step of exactly 0
+        region.remember()
+        result = region.enforce(lambda: (0.0, 0.0, True), lambda: None)
+        assert result["tries"] == 1.0 and result["kl"] == 0.0
+    assert region.start == 0.3  # not doubled on every batch (it was, to 2.4 here)
+    region.remember()
+    with torch.no_grad():
+        w += 0.1
+    region.enforce(lambda: (float(w.pow(2).sum() / 2),) * 2 + (True,), lambda: None)
+    assert region.start == pytest.approx(next_start(0.3, 0.3, (0.03**2) / 2, 0.02))  # a real step still moves it
+
+
 def test_trust_region_backtracks_a_step_until_it_fits_and_undoes_one_that_never_does():
     w = torch.nn.Parameter(torch.zeros(2))
     region = TrustRegion([w], max_kl=0.02)
