@@ -1,0 +1,165 @@
+"""Games the defaults were not tuned on: Gymnasium's own FrozenLake and CliffWalking, as a user would bring them.
+
+Each agent is what a user writes from the README's quickstart for a game whose observation is the whole state (three
+hooks, `action_names`, `context_turns = 0`); nothing else is set. The runs go through `learning_suite.py` (the same
+loop, budget, exact evaluations and outputs; every flag of it works here), with two games registered beside the
+suite's:
+
+| name | env (deterministic) | what is learned | score: exact, greedy, from the start | random | optimal |
+| --- | --- | --- | --- | --- | --- |
+| `frozenlake` | `FrozenLake-v1` 4x4, no slipping, 100 moves | the goal, 6 moves past 4 holes | P(goal) | 0.0139 | 1 |
+| `cliff` | `CliffWalking-v1` 4x12, 50 moves | the goal past a cliff (-100); -1 a move | return | -579.16 | -13 |
+
+The greedy policy plays one episode; random play is exact (the distribution of
+states carried move by move). A move into a wall stays put, so a policy can loop for ever; FrozenLake pays 1 at the goal
+whatever the path, so only the discount (`PPOConfig.gamma` < 1; 0.99 by default) makes a loop worse than a walk.
+
+    python benchmarks/held_out_games.py --games frozenlake,cliff --modes score --seeds 0 --budget 600
+"""
+
+from __future__ import annotations
+
+import sys
+
+import gymnasium as gym
+import learning_suite  # beside this file
+import numpy as np
+
+from llamagym import Agent
+from llamagym.envs import suite
+
+FROZEN_LAKE_MOVES = ["left", "down", "right", "up"]  # FrozenLake's action order
+CLIFF_MOVES = ["up", "right", "down", "left"]  # CliffWalking's
+
+
+def one_word(response: str, words: list[str]) -> int | None:
+    """The action of the one move `response` names; None when it names none or several."""
+    named = [i for i, word in enumerate(words) if word in response.lower()]
+    return named[0] if len(named) == 1 else None
+
+
+class FrozenLakeAgent(Agent):
+    action_names = FROZEN_LAKE_MOVES
+    context_turns = 0
+
+    def get_system_prompt(self) -> str:
+        return (
+            "You walk on a frozen lake, a grid of 4 rows and 4 columns; row 0 is the top row and column 0 the left "
+            "column. Four cells are holes: row 1 column 1, row 1 column 3, row 2 column 3 and row 3 column 0. "
+            "Falling into a hole ends the game. Reach the goal at row 3, column 3. "
+            "Reply with one word: left, down, right or up."
+        )
+
+    def format_observation(self, observation) -> str:
+        return f"You are at row {int(observation) // 4}, column {int(observation) % 4}."
+
+    def extract_action(self, response: str):
+        return one_word(response, FROZEN_LAKE_MOVES)
+
+
+class CliffAgent(Agent):
+    action_names = CLIFF_MOVES
+    context_turns = 0
+
+    def get_system_prompt(self) -> str:
+        return (
+            "You walk on a grid of 4 rows and 12 columns; row 0 is the top row and column 0 the left column. You "
+            "start at row 3, column 0 and the goal is at row 3, column 11. The cells of row 3 between them are a "
+            "cliff: stepping onto one costs 100 points and sends you back to the start. Every move costs 1 point. "
+            "Reply with one word: up, right, down or left."
+        )
+
+    def format_observation(self, observation) -> str:
+        return f"You are at row {int(observation) // 12}, column {int(observation) % 12}."
+
+    def extract_action(self, response: str):
+        return one_word(response, CLIFF_MOVES)
+
+
+def random_return(table: dict, start: int, limit: int) -> float:
+    """Exact expected return of uniform random play for `limit` moves, from the env's transition `table`
+    (`env.unwrapped.P`: state -> action -> [(prob, next state, reward, terminated)])."""
+    mass, total = {start: 1.0}, 0.0
+    for _ in range(limit):
+        following: dict[int, float] = {}
+        for state, p in mass.items():
+            for outcomes in table[state].values():
+                for prob, nxt, reward, terminated in outcomes:
+                    share = p * prob / len(table[state])
+                    total += share * reward
+                    if not terminated:
+                        following[int(nxt)] = following.get(int(nxt), 0.0) + share
+        mass = following
+    return total
+
+
+def evaluator(env_id: str, limit: int, optimal: float, **env_kwargs):
+    """`evaluate(decide)` of a deterministic toy-text env: the greedy policy's one episode from the start."""
+    env = gym.make(env_id, **env_kwargs).unwrapped
+    table, start = env.P, int(np.argmax(env.initial_state_distrib))
+    random = random_return(table, start, limit)
+
+    def evaluate(decide, **_) -> dict:
+        def step(state, action):
+            here, moves = state
+            ((_, nxt, reward, terminated),) = table[here][action]
+            done = bool(terminated) or moves + 1 >= limit
+            return [suite.Transition(1.0, (int(nxt), moves + 1), int(nxt), float(reward), done)]
+
+        return suite.summary(suite.play_out([(1.0, (start, 0), start)], decide, step, limit + 1), random, optimal)
+
+    return evaluate
+
+
+def frozen_lake_expert(observation) -> int:
+    """A shortest path from the start: down, down, right, down, right, right."""
+    return {0: 1, 4: 1, 8: 2, 9: 1, 13: 2, 14: 2}.get(int(observation), 0)
+
+
+def cliff_expert(observation) -> int:
+    """Up from the start, right along the cliff's edge, down into the goal."""
+    row, column = divmod(int(observation), 12)
+    return 0 if row == 3 else 1 if column < 11 else 2
+
+
+GAMES = [
+    suite.Game(
+        "frozenlake",
+        "heldout/FrozenLake-v0",
+        "gymnasium.envs.toy_text:FrozenLakeEnv",
+        FrozenLakeAgent,
+        evaluator("FrozenLake-v1", 100, 1.0, is_slippery=False),
+        frozen_lake_expert,
+        agent_kwargs={"fallback_action": 0},
+        env_kwargs={"is_slippery": False},
+        measure="success rate",
+    ),
+    suite.Game(
+        "cliff",
+        "heldout/CliffWalking-v0",
+        "gymnasium.envs.toy_text:CliffWalkingEnv",
+        CliffAgent,
+        evaluator("CliffWalking-v1", 50, -13.0),
+        cliff_expert,
+        agent_kwargs={"fallback_action": 0},
+    ),
+]
+LIMITS = {"frozenlake": 100, "cliff": 50}
+
+
+def register() -> None:
+    """Add the held-out games to the suite's registry and to Gymnasium's (once)."""
+    for game in GAMES:
+        if game.name not in suite.GAMES:
+            suite.register_game(game)
+        if game.env_id not in gym.registry:
+            kwargs = dict(game.env_kwargs)
+            gym.register(game.env_id, game.entry_point, max_episode_steps=LIMITS[game.name], kwargs=kwargs)
+
+
+if __name__ == "__main__":
+    register()
+    argv = sys.argv[1:]
+    if not any(arg == "--games" or arg.startswith("--games=") for arg in argv):
+        argv = ["--games", ",".join(game.name for game in GAMES), *argv]
+    sys.exit(learning_suite.main(argv))
