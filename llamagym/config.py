@@ -50,7 +50,8 @@ class PPOConfig:
     micro_batch_size: int | None = 8  # distinct inputs per forward/backward within a step (bounds memory); None = all
     ppo_epochs: int | None = None  # passes over the batch per update; None = 1 for whole-batch natural steps
     # (scoring mode), 2 for AdamW steps
-    gamma: float = 1.0  # discount across the turns of an episode
+    gamma: float = 0.99  # discount across the turns of an episode: < 1 makes a shorter way to the same reward worth
+    # more, so a move that changes nothing (a wall) is worse than progress and a solved greedy policy does not loop
     lam: float = 0.95  # GAE lambda (1 = Monte-Carlo return, 0 = one-step TD)
     advantage: str = "gae"  # advantage estimator (llamagym.algos.estimators): gae (value head), or critic-free grpo,
     # rloo, rebn, gigpo; those ignore whiten_advantages (they center their own), the value head still trains

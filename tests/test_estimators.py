@@ -164,3 +164,14 @@ def test_registering_a_new_estimator_makes_it_configurable_and_a_duplicate_name_
             estimators.register_estimator("zero", needs_value=False)(zero)
     finally:
         del estimators.ESTIMATORS["zero"]
+
+
+def test_by_default_a_longer_walk_to_the_same_reward_returns_less():
+    # A move into a wall (the first turn of episode 0) changes nothing; the goal pays 1 at the end of both episodes.
+    # Undiscounted, the wall's turn returns exactly what a step toward the goal does, and a greedy policy that prefers
+    # it loops for ever (FrozenLake, docs/learning-that-holds.md, forty-third session). The default discount tells
+    # them apart: 0.99^2 for the walk with the wall against 0.99 for the straight one.
+    rewards, episode = torch.tensor([0.0, 0.0, 1.0, 0.0, 1.0]), torch.tensor([0, 0, 0, 1, 1])
+    returns = estimators.returns_to_go(rewards, episode, PPOConfig().gamma)
+    assert_close(returns, torch.tensor([0.99**2, 0.99, 1.0, 0.99, 1.0]))
+    assert_close(estimators.returns_to_go(rewards, episode, 1.0), torch.ones(5))

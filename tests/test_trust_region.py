@@ -276,12 +276,13 @@ def test_a_batch_of_equal_returns_does_not_move_the_policy(model, lora_config, t
 
 
 def test_equal_returns_of_multi_turn_episodes_do_not_move_the_policy(model, lora_config, tokenizer):
-    # Episodes of two turns, each paying 1 at the end: every turn's return is 1. With lam = 0.95 the estimator's
+    # Episodes of two turns, each paying 1 at the end, undiscounted: every turn's return is 1 (under the default
+    # gamma 0.99 the first turn's is 0.99, and the batch is not one of equal returns). With lam = 0.95 the estimator's
     # targets mix in the value head's estimates, which differ by turn, so they are not equal; the batch still says
     # nothing about which action was better, and must not move the policy.
     learning = [[0.0, 1.0, 0.0, 0.0, 0.0, 1.0]]
     solved = [0.0, 1.0] * 3
-    moved, stats = update_kl(model, lora_config, tokenizer, solved, learning, turns=2, lam=0.95)
+    moved, stats = update_kl(model, lora_config, tokenizer, solved, learning, turns=2, lam=0.95, gamma=1.0)
     assert stats["adv/return_std"] > 1e-3  # the targets differ: the old test (their spread) did not see this batch
     assert stats["adv/equal_returns"] == 1.0 and moved < 1e-9
 
