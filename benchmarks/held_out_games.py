@@ -10,9 +10,9 @@ suite's:
 | `frozenlake` | `FrozenLake-v1` 4x4, no slipping, 100 moves | the goal, 6 moves past 4 holes | P(goal) | 0.0139 | 1 |
 | `cliff` | `CliffWalking-v1` 4x12, 50 moves | the goal past a cliff (-100); -1 a move | return | -579.16 | -13 |
 
-The greedy policy plays one episode; random play is exact (the distribution of
-states carried move by move). A move into a wall stays put, so a policy can loop for ever; FrozenLake pays 1 at the goal
-whatever the path, so only the discount (`PPOConfig.gamma` < 1; 0.99 by default) makes a loop worse than a walk.
+The greedy policy plays one episode; random play is exact (the distribution of states carried move by move). A move into
+a wall stays put, so a policy can loop for ever; FrozenLake pays 1 at the goal whatever the path, so only the discount
+(`PPOConfig.gamma` < 1; 0.99 by default) makes a loop worse than a walk.
 
     python benchmarks/held_out_games.py --games frozenlake,cliff --modes score --seeds 0 --budget 600
 """
@@ -122,13 +122,14 @@ def cliff_expert(observation) -> int:
     return 0 if row == 3 else 1 if column < 11 else 2
 
 
+LIMITS = {"frozenlake": 100, "cliff": 50}  # moves per episode: the registered time limit and the evaluators'
 GAMES = [
     suite.Game(
         "frozenlake",
         "heldout/FrozenLake-v0",
         "gymnasium.envs.toy_text:FrozenLakeEnv",
         FrozenLakeAgent,
-        evaluator("FrozenLake-v1", 100, 1.0, is_slippery=False),
+        evaluator("FrozenLake-v1", LIMITS["frozenlake"], 1.0, is_slippery=False),
         frozen_lake_expert,
         agent_kwargs={"fallback_action": 0},
         env_kwargs={"is_slippery": False},
@@ -139,12 +140,11 @@ GAMES = [
         "heldout/CliffWalking-v0",
         "gymnasium.envs.toy_text:CliffWalkingEnv",
         CliffAgent,
-        evaluator("CliffWalking-v1", 50, -13.0),
+        evaluator("CliffWalking-v1", LIMITS["cliff"], -13.0),
         cliff_expert,
         agent_kwargs={"fallback_action": 0},
     ),
 ]
-LIMITS = {"frozenlake": 100, "cliff": 50}
 
 
 def register() -> None:
