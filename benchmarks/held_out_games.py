@@ -1,9 +1,9 @@
 """Games the defaults were not tuned on: Gymnasium's own FrozenLake and CliffWalking, as a user would bring them.
 
 Each agent is what a user writes from the README's quickstart for a game whose observation is the whole state (three
-hooks, `action_names`, `context_turns = 0`); nothing else is set. The runs go through `learning_suite.py` (the same
-loop, budget, exact evaluations and outputs; every flag of it works here), with two games registered beside the
-suite's:
+hooks, `action_names`, `context_turns = 0`; the two share the hooks that read a cell and a move, `GridAgent`); nothing
+else is set. The runs go through `learning_suite.py` (the same loop, budget, exact evaluations and outputs; every flag
+of it works here), with two games registered beside the suite's:
 
 | name | env (deterministic) | what is learned | score: exact, greedy, from the start | random | optimal |
 | --- | --- | --- | --- | --- | --- |
@@ -38,9 +38,21 @@ def one_word(response: str, words: list[str]) -> int | None:
     return named[0] if len(named) == 1 else None
 
 
-class FrozenLakeAgent(Agent):
-    action_names = FROZEN_LAKE_MOVES
+class GridAgent(Agent):
+    """A walker on a grid whose observation is its cell's index; a game's agent gives its moves, width and prompt."""
+
+    columns: int
     context_turns = 0
+
+    def format_observation(self, observation) -> str:
+        return f"You are at row {int(observation) // self.columns}, column {int(observation) % self.columns}."
+
+    def extract_action(self, response: str):
+        return one_word(response, self.action_names)
+
+
+class FrozenLakeAgent(GridAgent):
+    action_names, columns = FROZEN_LAKE_MOVES, 4
 
     def get_system_prompt(self) -> str:
         return (
@@ -50,16 +62,9 @@ class FrozenLakeAgent(Agent):
             "Reply with one word: left, down, right or up."
         )
 
-    def format_observation(self, observation) -> str:
-        return f"You are at row {int(observation) // 4}, column {int(observation) % 4}."
 
-    def extract_action(self, response: str):
-        return one_word(response, FROZEN_LAKE_MOVES)
-
-
-class CliffAgent(Agent):
-    action_names = CLIFF_MOVES
-    context_turns = 0
+class CliffAgent(GridAgent):
+    action_names, columns = CLIFF_MOVES, 12
 
     def get_system_prompt(self) -> str:
         return (
@@ -68,12 +73,6 @@ class CliffAgent(Agent):
             "cliff: stepping onto one costs 100 points and sends you back to the start. Every move costs 1 point. "
             "Reply with one word: up, right, down or left."
         )
-
-    def format_observation(self, observation) -> str:
-        return f"You are at row {int(observation) // 12}, column {int(observation) % 12}."
-
-    def extract_action(self, response: str):
-        return one_word(response, CLIFF_MOVES)
 
 
 def random_return(table: dict, start: int, limit: int) -> float:
