@@ -3,18 +3,19 @@
 Each agent is what a user writes from the README's quickstart for a game whose observation is the whole state (three
 hooks, `action_names`, `context_turns = 0`; the two share the hooks that read a cell and a move, `GridAgent`); nothing
 else is set. The runs go through `learning_suite.py` (the same loop, budget, exact evaluations and outputs; every flag
-of it works here), with two games registered beside the suite's:
+of it works here), with three games registered beside the suite's:
 
 | name | env (deterministic) | what is learned | score: exact, greedy, from the start | random | optimal |
 | --- | --- | --- | --- | --- | --- |
 | `frozenlake` | `FrozenLake-v1` 4x4, no slipping, 100 moves | the goal, 6 moves past 4 holes | P(goal) | 0.0139 | 1 |
 | `cliff` | `CliffWalking-v1` 4x12, 50 moves | the goal past a cliff (-100); -1 a move | return | -579.16 | -13 |
+| `cliff200` | the same, 200 moves | the same, with room for random play to find the goal | return | -2079.12 | -13 |
 
 The greedy policy plays one episode; random play is exact (the distribution of states carried move by move). A move into
 a wall stays put, so a policy can loop for ever; FrozenLake pays 1 at the goal whatever the path, so only the discount
 (`PPOConfig.gamma` < 1; 0.99 by default) makes a loop worse than a walk.
 
-    python benchmarks/held_out_games.py --games frozenlake,cliff --modes score --seeds 0 --budget 600
+    python benchmarks/held_out_games.py --games frozenlake,cliff,cliff200 --modes score --seeds 0 --budget 600
 """
 
 from __future__ import annotations
@@ -121,7 +122,18 @@ def cliff_expert(observation) -> int:
     return 0 if row == 3 else 1 if column < 11 else 2
 
 
-LIMITS = {"frozenlake": 100, "cliff": 50}  # moves per episode: the registered time limit and the evaluators'
+def cliff_game(name: str, env_id: str) -> suite.Game:
+    """CliffWalking with the move limit `LIMITS[name]` (for the registered env and its evaluator)."""
+    evaluate = evaluator("CliffWalking-v1", LIMITS[name], -13.0)
+    entry_point = "gymnasium.envs.toy_text:CliffWalkingEnv"
+    return suite.Game(
+        name, env_id, entry_point, CliffAgent, evaluate, cliff_expert, agent_kwargs={"fallback_action": 0}
+    )
+
+
+# moves per episode: the registered time limit and the evaluators'. CliffWalking twice: in 50 moves random play finds
+# the goal once in about 800 episodes (1 in 100 keeping off the cliff), in 200 once in 43 (1 in 3.5)
+LIMITS = {"frozenlake": 100, "cliff": 50, "cliff200": 200}
 GAMES = [
     suite.Game(
         "frozenlake",
@@ -134,15 +146,8 @@ GAMES = [
         env_kwargs={"is_slippery": False},
         measure="success rate",
     ),
-    suite.Game(
-        "cliff",
-        "heldout/CliffWalking-v0",
-        "gymnasium.envs.toy_text:CliffWalkingEnv",
-        CliffAgent,
-        evaluator("CliffWalking-v1", LIMITS["cliff"], -13.0),
-        cliff_expert,
-        agent_kwargs={"fallback_action": 0},
-    ),
+    cliff_game("cliff", "heldout/CliffWalking-v0"),
+    cliff_game("cliff200", "heldout/CliffWalking200-v0"),
 ]
 
 

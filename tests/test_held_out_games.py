@@ -16,13 +16,14 @@ def held_out():
         suite.GAMES.pop(game.name, None)
 
 
-@pytest.mark.parametrize("name, random", [("frozenlake", 0.013940), ("cliff", -579.1588)])
+@pytest.mark.parametrize("name, random", [("frozenlake", 0.013940), ("cliff", -579.1588), ("cliff200", -2079.1160)])
 def test_the_experts_are_optimal_and_random_play_is_exact(held_out, name, random):
     game = suite.get_game(name)
     expert = game.evaluate(suite.markov(game.expert), **game.env_kwargs)
     assert expert["normalised"] == pytest.approx(1.0) and expert["random"] == pytest.approx(random, abs=1e-4)
     stay = game.evaluate(lambda paths: [0] * len(paths), **game.env_kwargs)  # left (a wall) / up: never arrives
-    assert stay["score"] == (0.0 if name == "frozenlake" else -50.0) and stay["mean_turns"] == held_out.LIMITS[name]
+    limit = held_out.LIMITS[name]
+    assert stay["score"] == (0.0 if name == "frozenlake" else -limit) and stay["mean_turns"] == limit
 
 
 def test_random_play_over_a_small_chain_golden_value(held_out):
@@ -40,3 +41,4 @@ def test_the_envs_play_as_registered_and_the_agents_read_their_moves(held_out):
     assert held_out.one_word("I go DOWN.", held_out.FROZEN_LAKE_MOVES) == 1
     assert held_out.one_word("up or down?", held_out.FROZEN_LAKE_MOVES) is None
     assert gym.make("heldout/CliffWalking-v0").spec.max_episode_steps == 50
+    assert gym.make("heldout/CliffWalking200-v0").spec.max_episode_steps == 200
