@@ -96,8 +96,9 @@ class PPOConfig:
     # llamagym.algos.natural_gradient); None = on when every trained weight is in a Linear layer (LoRA)
     natural_step: float = 1.0  # natural_gradient: output move per unit of an input's per-turn output gradient
     natural_damping: float = 0.1  # natural_gradient: relative damping (larger is closer to a plain gradient step)
-    average_updates: int = 10  # greedy acting uses the adapter's average over about this many updates (Polyak;
-    # llamagym.algos.averaging); sampling and training keep the current weights; 0 = the current weights
+    average_updates: int = 10  # greedy acting uses the adapter's average over about this many updates, at most the
+    # latest quarter of those so far (Polyak; llamagym.algos.averaging); sampling and training keep the current
+    # weights; 0 = the current weights
     anneal_updates: int = 0  # adapter step (learning_rate, natural_step) falls linearly to 0 over N updates; 0 = off
     seed: int = 0  # seed of the minibatch shuffles and replay sampling
     max_skipped_steps: int = 10  # optimizer steps skipped in a row (non-finite loss/gradient) before the run stops

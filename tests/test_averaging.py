@@ -11,7 +11,10 @@ from llamagym.envs import AgentPolicy
 from tests.envs import CountingEnv, YesNoAgent
 
 
-@pytest.mark.parametrize("count, horizon, expected", [(1, 10, 1.0), (4, 10, 0.25), (40, 10, 0.1), (7, 1, 1.0)])
+@pytest.mark.parametrize(
+    "count, horizon, expected",
+    [(1, 10, 1.0), (4, 10, 1.0), (5, 10, 0.5), (8, 10, 0.5), (9, 10, 1 / 3), (36, 10, 1 / 9), (40, 10, 0.1), (7, 1, 1)],
+)
 def test_average_weight_golden_values(count, horizon, expected):
     assert average_weight(count, horizon) == expected
 
@@ -21,37 +24,40 @@ def test_average_weight_rejects_no_update_and_no_horizon():
         average_weight(0, 10)
 
 
-def test_the_average_is_the_mean_then_exponential_and_lent_only_inside_swapped():
+def test_the_average_spans_the_latest_quarter_then_the_horizon_and_is_lent_only_inside_swapped():
     w = torch.nn.Parameter(torch.zeros(2))
     average = WeightAverage([w], horizon=2)
     with average.swapped():  # no update yet: the weights themselves
         torch.testing.assert_close(w.detach(), torch.zeros(2))
-    for value in (1.0, 3.0, 5.0):  # mean 1, then (1 + 3) / 2 = 2, then 2 + (5 - 2) / 2 = 3.5
+    # four updates: a quarter of them is one, the latest (7); then over two: 7 + (9 - 7) / 2 = 8, 8 + (11 - 8) / 2 = 9.5
+    for value in (1.0, 3.0, 5.0, 7.0, 9.0, 11.0):
         with torch.no_grad():
             w.fill_(value)
         average.update()
-    assert average.count == 3
+        if average.count == 4:
+            torch.testing.assert_close(average.mean[0], torch.full((2,), 7.0))
+    assert average.count == 6
     with average.swapped():
-        torch.testing.assert_close(w.detach(), torch.full((2,), 3.5))
-    torch.testing.assert_close(w.detach(), torch.full((2,), 5.0))
+        torch.testing.assert_close(w.detach(), torch.full((2,), 9.5))
+    torch.testing.assert_close(w.detach(), torch.full((2,), 11.0))
     with pytest.raises(RuntimeError, match="inside"), average.swapped():
         raise RuntimeError("inside")
-    torch.testing.assert_close(w.detach(), torch.full((2,), 5.0))  # restored after an error too
+    torch.testing.assert_close(w.detach(), torch.full((2,), 11.0))  # restored after an error too
 
     again = WeightAverage([w], horizon=2)
     again.load_state_dict(average.state_dict())
-    assert again.count == 3
-    torch.testing.assert_close(again.mean[0], torch.full((2,), 3.5))
+    assert again.count == 6
+    torch.testing.assert_close(again.mean[0], torch.full((2,), 9.5))
 
 
 def trained(model, tokenizer, lora_config) -> YesNoAgent:
-    """An agent after two updates, averaging over 3."""
+    """An agent after five updates, averaging over 3 (the latest two: a quarter of five, rounded up)."""
     config = PPOConfig(
         batch_size=2, min_batch_turns=0, average_updates=3, natural_gradient=False, max_kl=None, learning_rate=0.05
     )
     agent = YesNoAgent(model, tokenizer, "cpu", ppo_config=config, lora_config=lora_config, precision="fp32")
     env = CountingEnv(length=2)
-    for _ in range(4):  # two updates
+    for _ in range(10):  # five updates
         observation, done = env.reset()[0], False
         while not done:
             observation, reward, terminated, truncated, _ = env.step(agent.act(observation))
@@ -64,7 +70,7 @@ def trained(model, tokenizer, lora_config) -> YesNoAgent:
 def test_greedy_acting_scores_with_the_average_and_sampling_with_the_current_weights(model, tokenizer, lora_config):
     agent = trained(model, tokenizer, lora_config)
     average = agent.trainer.average
-    assert average.count == 2
+    assert average.count == 5
     scores = agent.actor.memory(MODES["score"])  # one dict, emptied at the next act whenever the weights changed
     agent.predict([0])
     (greedy,) = (scored.logprobs for scored in scores.values())
