@@ -28,10 +28,10 @@ SHARE = 4  # the average spans at most the latest 1 / SHARE of the updates so fa
 
 
 def average_weight(count: int, horizon: int) -> float:
-    """The weight of the newest weights in the average after `count` updates: 1 / min(ceil(count / 4), horizon).
+    """The weight of the newest weights in the average after `count` updates: 1 / min(ceil(count / SHARE), horizon).
 
-    Examples: (1, 10) -> 1.0 and (4, 10) -> 1.0 (the latest weights: a quarter of four updates is one); (8, 10) ->
-    0.5; (40, 10) -> 0.1 (an exponential average over about ten).
+    Examples (SHARE = 4): (1, 10) -> 1.0 and (4, 10) -> 1.0 (the latest weights: a quarter of four updates is one);
+    (8, 10) -> 0.5; (40, 10) -> 0.1 (an exponential average over about ten).
     """
     if count < 1 or horizon < 1:
         raise ValueError(f"average_weight needs count >= 1 and horizon >= 1. Received {count!r}, {horizon!r}.")
