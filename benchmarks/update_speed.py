@@ -1,12 +1,13 @@
 """PPO update speed of this checkout against another one, measured side by side (a refactor must not slow it).
 
 Each side runs in its own process with its tree first on PYTHONPATH: it plays Blackjack with the embedded model in
-scoring mode until 32 episodes are collected (the same episodes on both sides: acting is seeded), then times
-`trainer.step` on copies of them (`--warmup` untimed, `--updates` timed). Before each update the batch's inputs are
-scored with the current weights, untimed, as acting scores them in a training loop, and a checkout whose update
-takes the old outputs from acting (`trainer.step(..., acted=)`, 493dd44 and later) is given them: an upper bound on
-what that saves, since in a loop the turns acted before the last update are run again. The sides alternate
-`--rounds` times, so drift of the machine falls on both; the figure is the ratio of the mean update times.
+scoring mode until a default batch is collected (32 episodes and at least `PPOConfig().min_batch_turns` turns: about
+140; the same episodes on both sides: acting is seeded), then times `trainer.step` on copies of them (`--warmup`
+untimed, `--updates` timed). Before each update the batch's inputs are scored with the current weights, untimed, as
+acting scores them in a training loop, and a checkout whose update takes the old outputs from acting (`trainer.step(...,
+acted=)`, 493dd44 and later) is given them: an upper bound on what that saves, since in a loop the turns acted before
+the last update are run again. The sides alternate `--rounds` times, so drift of the machine falls on both; the figure
+is the ratio of the mean update times.
 
     git worktree add /tmp/old <commit>   # or: git archive <commit> | tar -x -C /tmp/old
     python benchmarks/update_speed.py --against /tmp/old
@@ -21,7 +22,7 @@ from side_by_side import ROOT, cpu_line, parse, parser, run_side  # beside this 
 
 
 def measure(updates: int, warmup: int, threads: int) -> None:
-    """One side: collect 32 scored Blackjack episodes, time the updates, print one line of seconds."""
+    """One side: collect a default batch of scored Blackjack episodes, time the updates, print one line of seconds."""
     import gymnasium as gym
     import numpy as np
     import torch
@@ -45,9 +46,14 @@ def measure(updates: int, warmup: int, threads: int) -> None:
         return envs[i].reset(seed=next(seeds))[0]
 
     observations = [reset(i) for i in range(len(envs))]
-    while len(agent.batch) < 32:
+    least = getattr(PPOConfig(), "min_batch_turns", 0)  # a checkout older than batches counted in turns: 0
+
+    def collected() -> int:
+        return sum(len(episode.turns) for episode in agent.batch)
+
+    while len(agent.batch) < 32 or collected() < least:
         play_step(agent, envs, observations, reset)
-    episodes = list(agent.batch[:32])
+    episodes = list(agent.batch)
     turns = [turn for episode in episodes for turn in episode.turns]
     recalls = "acted" in inspect.signature(agent.trainer.step).parameters
     seconds = []

@@ -137,6 +137,8 @@ def test_token_chunks_cut_in_order_within_the_budget():
 
     assert token_chunks([3, 4, 2, 9, 1], size=lambda n: n, budget=7) == [[3, 4], [2], [9], [1]]
     assert token_chunks([], size=len, budget=5) == []
+    # at least `least` items per chunk, whatever their size (the trainer's forwards without gradient)
+    assert token_chunks([3, 4, 2, 9, 1], size=lambda n: n, budget=7, least=2) == [[3, 4], [2, 9], [1]]
 
 
 def test_scoring_within_a_token_budget_gives_the_same_distributions(model, tokenizer, lora_config, monkeypatch):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from llamagym.algos import ppo
+from llamagym.algos import trainer as trainer_module
 from llamagym.algos.modes.score import ScoreMode, relative_kl
 from llamagym.algos.rollout import Episode, Turn, collate_scored
 from llamagym.algos.trainer import PPOTrainer, state_weights
@@ -296,6 +297,20 @@ def test_trust_region_keeps_each_update_within_max_kl_of_the_old_policy(model, l
     assert free > 0.02, free  # without a bound the step goes past it
     assert bounded <= 0.01 + 1e-6 and stats["trust/kl"] <= 0.01 and stats["trust/scale"] < 1
     assert stats["trust/kl_max"] >= stats["trust/kl"]
+
+
+def test_forwards_without_gradient_take_more_inputs_within_the_head_row_budget(lora_config, tokenizer, monkeypatch):
+    monkeypatch.setattr(trainer_module, "NO_GRAD_HEAD_ROWS", 1024)
+    trainer = fresh_trainer(lora_config, tokenizer, PPOConfig(micro_batch_size=2))
+    groups = torch.tensor([0, 0, 1, 2, 3, 4, 5])  # rows 0 and 1 share an input
+    head_rows = torch.tensor([600, 600, 300, 300, 500, 100, 100])
+    index = torch.arange(7)
+    parts = trainer._micro(groups, index, head_rows)  # inputs 0-1 (900 rows), then 2-5: at least 2, within 1024
+    assert [part.tolist() for part in parts] == [[0, 1, 2], [3, 4, 5, 6]]
+    assert [part.tolist() for part in trainer._micro(groups, index)] == [[0, 1, 2], [3, 4], [5, 6]]  # with gradient
+    # a scored row's head rows are its candidate tokens
+    batch = collate_scored([[1, 2], [1]], [[[3], [4, 5]], [[6]]])
+    assert ScoreMode().head_rows(batch).tolist() == [3, 1]
 
 
 def fresh_trainer(lora_config, tokenizer, config: PPOConfig, precision: str = "fp32") -> PPOTrainer:

@@ -128,6 +128,11 @@ class ActionMode(ABC):
     def action_mask(self, batch) -> torch.Tensor:
         """(N, T) float mask of the action log-probs of a collated batch."""
 
+    def head_rows(self, batch) -> torch.Tensor:
+        """(N,) the positions of each row of a collated batch whose vocabulary-wide logits its evaluation computes
+        (the LM head's rows, the largest tensors of a forward without gradient); by default its action tokens."""
+        return self.action_mask(batch).sum(1)
+
     @abstractmethod
     def evaluate(
         self,

@@ -108,6 +108,10 @@ class ScoreMode(ActionMode):
         """One slot per turn: its choice."""
         return torch.ones((batch.input_ids.shape[0], 1), device=batch.input_ids.device)
 
+    def head_rows(self, batch: ScoreBatch) -> torch.Tensor:
+        """Every candidate token of the row (a scored state's log-probs are its candidates')."""
+        return (batch.owner >= 0).sum(1)
+
     def evaluate(self, policy, batch, part, first, inverse, with_entropy=False, watch=None, reference=False):
         """The chosen candidates' log-probs (P, 1); the distributions are every candidate's (P, C), and the
         entropy is over the candidates (always computed: it is cheap)."""
@@ -196,13 +200,15 @@ def relative_kl(old: torch.Tensor, new: torch.Tensor, count: torch.Tensor) -> to
     return categorical_kl(old, new) / torch.log2(count.clamp_min(2).to(old.dtype))
 
 
-def token_chunks(items: list, size: Callable[[Any], int], budget: int) -> list[list]:
-    """`items` in order, cut into consecutive chunks of at most `budget` by `size` (an item larger than the budget
-    makes a chunk of its own)."""
+def token_chunks(items: list, size: Callable[[Any], int], budget: int, least: int = 1) -> list[list]:
+    """`items` in order, cut into consecutive chunks of at most `budget` by `size`, each of at least `least` items
+    whatever their size (the last may have fewer): an item larger than the budget makes a chunk of its own.
+
+    Examples: ([3, 4, 2, 9, 1], budget 7) -> [[3, 4], [2], [9], [1]]; with least 2 -> [[3, 4], [2, 9], [1]]."""
     chunks, total = [], 0
     for item in items:
         n = size(item)
-        if not chunks or total + n > budget:
+        if not chunks or (len(chunks[-1]) >= least and total + n > budget):
             chunks.append([])
             total = 0
         chunks[-1].append(item)
