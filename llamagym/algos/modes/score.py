@@ -202,7 +202,7 @@ def relative_kl(old: torch.Tensor, new: torch.Tensor, count: torch.Tensor) -> to
 
 def token_chunks(items: list, size: Callable[[Any], int], budget: int, least: int = 1) -> list[list]:
     """`items` in order, cut into consecutive chunks of at most `budget` by `size`, each of at least `least` items
-    whatever their size (the last may have fewer): an item larger than the budget makes a chunk of its own.
+    whatever their size (the last may have fewer); with `least` 1 an item larger than the budget is a chunk alone.
 
     Examples: ([3, 4, 2, 9, 1], budget 7) -> [[3, 4], [2], [9], [1]]; with least 2 -> [[3, 4], [2, 9], [1]]."""
     chunks, total = [], 0
