@@ -300,7 +300,7 @@ def test_trust_region_keeps_each_update_within_max_kl_of_the_old_policy(model, l
 
 
 def test_forwards_without_gradient_take_more_inputs_within_the_head_row_budget(lora_config, tokenizer, monkeypatch):
-    monkeypatch.setattr(trainer_module, "NO_GRAD_HEAD_ROWS", 1024)
+    monkeypatch.setattr(trainer_module, "SCORE_TOKENS", 1024)
     trainer = fresh_trainer(lora_config, tokenizer, PPOConfig(micro_batch_size=2))
     groups = torch.tensor([0, 0, 1, 2, 3, 4, 5])  # rows 0 and 1 share an input
     head_rows = torch.tensor([600, 600, 300, 300, 500, 100, 100])

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from ..algos.modes import MODES, ActionMode, Choice
+from ..algos.modes.score import SCORE_TOKENS
 from ..distributed import checksum
 from ..models.policy import Policy
 from .chat import ChatFormatter, Message
@@ -45,9 +46,7 @@ class Actor:
         self._candidate_cache: dict[str, list[int]] = {}
         self.reuse_prefix = True  # run the prompts' shared first tokens once per step (Policy.score, Policy.prefill)
         self.score_cache_size = 65536  # distinct scored inputs remembered between weight updates
-        # candidate tokens per scoring forward: each costs a vocabulary-wide row of logits (49k floats for SmolLM2),
-        # so 64 prompts x 21 candidates in one pass took arithmetic's evaluation from 0.95 to 2.85 GiB
-        self.score_tokens = 1024
+        self.score_tokens = SCORE_TOKENS  # candidate tokens per scoring forward (each a vocabulary-wide row of logits)
         self._memory: dict[str, dict] = {}
         self._memory_stamp: tuple | None = None
 

@@ -50,7 +50,7 @@ from ..models.policy import Policy
 from . import estimators, ppo
 from .averaging import WeightAverage
 from .modes import ActionMode, Recalled, mode_of
-from .modes.score import token_chunks
+from .modes.score import SCORE_TOKENS, token_chunks
 from .natural_gradient import NaturalGradient, RowGradients
 from .rollout import Episode, Turn, UpdateBatch, collate, minibatch_indices, numbered, prompt_batch
 from .sft_replay import SFTReplayBuffer, sft_loss
@@ -59,7 +59,6 @@ from .trust_region import TrustRegion
 logger = logging.getLogger(__name__)
 PLAIN_MINI_BATCH = 8  # turns per AdamW step when `mini_batch_size` is None
 PLAIN_EPOCHS = 2  # passes over the batch with AdamW (or minibatched natural) steps when `ppo_epochs` is None
-NO_GRAD_HEAD_ROWS = 1024  # LM-head rows per forward without gradient, as acting scores (`Actor.score_tokens`)
 CUT_WARNING = 0.9  # warn once when this share of a batch's replies was cut at max_new_tokens (and so not reinforced)
 
 
@@ -438,7 +437,7 @@ class PPOTrainer:
 
         `head_rows` ((N,) each row's `ActionMode.head_rows`) is for a forward without gradient, which keeps no
         activations: its micro-batches take more inputs while their rows of vocabulary-wide logits stay within
-        `NO_GRAD_HEAD_ROWS`, as acting's forwards do (the trust region's measures on Blackjack, 88 inputs: one
+        `SCORE_TOKENS`, as acting's forwards do (the trust region's measures on Blackjack, 88 inputs: one
         forward instead of 11, which took 2.0 s instead of 3.3 s on a 2-core fp32 CPU).
 
         With the base sharded (FSDP) each forward is a collective, so every rank makes as many micro-batches: as
@@ -451,7 +450,7 @@ class PPOTrainer:
                 rows = torch.zeros(len(distinct), dtype=torch.long).scatter_(
                     0, inverse.cpu(), head_rows[index].long().cpu()
                 )
-                chunks = token_chunks(rows.tolist(), int, NO_GRAD_HEAD_ROWS, least=size)
+                chunks = token_chunks(rows.tolist(), int, SCORE_TOKENS, least=size)
                 bounds = [0, *itertools.accumulate(map(len, chunks))]
                 return [index[(inverse >= lo) & (inverse < hi)] for lo, hi in itertools.pairwise(bounds)]
             return [index[(inverse >= lo) & (inverse < lo + size)] for lo in range(0, len(distinct), size)]
