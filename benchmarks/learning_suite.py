@@ -34,7 +34,7 @@ import numpy as np
 
 import llamagym.envs as suite
 from llamagym.evaluation import save_json
-from llamagym.models.devices import cpu_precision_note
+from llamagym.models.devices import cpu_precision_note, matmul_gflops
 
 THRESHOLDS = (0.5, 0.8)
 # per-update statistics kept in results.json, to see what an update did when a curve breaks
@@ -170,6 +170,18 @@ def cpu_model(cpuinfo: str | None = None) -> str:
     if fields.get("cpu family", "").isdigit() and fields.get("model", "").isdigit():
         return f"{name} (family {fields['cpu family']}, model {fields['model']})"
     return name
+
+
+def cpu_speed(threads: int) -> float:
+    """`matmul_gflops` on `threads` torch threads, as each run computes (the machine's figure beside its times)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return matmul_gflops()
+    finally:
+        torch.set_num_threads(before)
 
 
 def peak_rss_gib() -> float:
@@ -465,7 +477,8 @@ def main(argv=None):
     output.mkdir(parents=True, exist_ok=True)
     header = {
         "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "CPU": f"{cpu_model()} ({os.cpu_count()} cores; {args.threads} torch threads per run; {cpu_precision_note()})",
+        "CPU": f"{cpu_model()} ({os.cpu_count()} cores; {args.threads} torch threads per run; {cpu_precision_note()}; "
+        f"{cpu_speed(args.threads):.0f} GFLOP/s at the policy's matrix products)",
         "model": args.model,
         "device": args.device,
         "budget": f"{args.budget:g} training seconds per run, evaluation every {args.eval_every:g} s",

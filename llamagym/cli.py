@@ -112,14 +112,14 @@ def _check_devices() -> bool:
     """Print the devices line and return whether CUDA is available."""
     import torch
 
-    from .models.devices import cpu_precision_note
+    from .models.devices import cpu_precision_note, matmul_gflops
 
     cuda = torch.cuda.is_available()
     mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
     cpu = f"cpu: torch uses {torch.get_num_threads()} of {os.cpu_count()} cores"
     capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "")()
     cpu += f" ({capability})" if capability else ""
-    cpu += f", {cpu_precision_note()}"
+    cpu += f", {cpu_precision_note()}, {matmul_gflops():.0f} GFLOP/s at its matrix products"
     gpu = f"cuda: {torch.cuda.get_device_name(0)}" if cuda else "cuda: not available"
     _line("ok", "devices", f"{cpu}; {gpu}; mps: {'available' if mps else 'not available'}")
     return cuda

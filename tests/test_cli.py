@@ -1,10 +1,13 @@
 """The `llamagym` command: `models` prints the registry, `doctor` prints one line per check with fixes."""
 
 import importlib.metadata
+import math
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 import llamagym.cli as cli
 from llamagym.cli import main
@@ -26,6 +29,7 @@ def test_doctor_without_load_reports_versions_and_optional_stacks(capsys):
     for dist in ("torch", "transformers", "peft", "gymnasium", "accelerate"):
         assert f"{dist}" in out and importlib.metadata.version(dist) in out
     assert "Python" in out and "devices" in out and "cpu:" in out and "cuda:" in out
+    assert re.search(r"\d+ GFLOP/s at its matrix products", out)  # the speed a CPU's times are read beside
     assert "skipped (--no-load)" in out
     lines = {line.split()[1]: line for line in out.splitlines() if len(line.split()) > 1}
     for module, _dist, _purpose, fix in cli.OPTIONAL:
@@ -47,6 +51,19 @@ def test_doctor_names_the_precision_the_cpu_runs(monkeypatch):
     assert devices.cpu_precision_note().startswith("policy in bf16")
     monkeypatch.setattr(devices, "fast_bf16", lambda device: False)
     assert devices.cpu_precision_note().startswith("policy in fp32 (no native bf16")
+
+
+def test_matmul_gflops_times_a_product_in_the_policys_precision(monkeypatch):
+    import llamagym.models.devices as devices
+
+    assert math.isfinite(devices.matmul_gflops("fp32", size=32, repeats=3)) and devices.matmul_gflops(size=8) > 0
+    used = []
+    monkeypatch.setattr(devices.torch, "mm", lambda a, b: used.append(a.dtype))
+    devices.matmul_gflops("bf16", size=4, repeats=2)
+    assert used == [torch.bfloat16] * 3  # one untimed, then `repeats`
+    for bad in ({"size": 0}, {"repeats": 1.5}, {"precision": "fp16"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            devices.matmul_gflops(**bad)
 
 
 def test_doctor_gives_the_fix_for_a_missing_optional_stack(capsys, monkeypatch):

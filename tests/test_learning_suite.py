@@ -4,6 +4,7 @@ import importlib
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,9 @@ def test_quick_suite_trains_and_evaluates_every_game_in_both_modes(tmp_path):
     cmd += ["--also-average", "2", "--keep-agents", "--replay", "sft_steps=1"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert re.search(r"; \d+ GFLOP/s at the policy's matrix products\)$", results["header"]["CPU"])  # its speed
+    runs = results["runs"]
     assert {(r["game"], r["mode"]) for r in runs} == {(g, m) for g in suite.GAMES for m in ("score", "generate")}
     for run in runs:
         assert run["curve"][0]["train"] == 0 and run["train_s"] >= 3.0  # before training, then the budget
