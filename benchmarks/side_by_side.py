@@ -39,9 +39,10 @@ def run_side(script: str, tree: Path, arguments: list[str], tag: str) -> str:
 
 
 def cpu_line(threads: int) -> str:
-    """The CPU the sides ran on, and the precision its policy runs in."""
-    from learning_suite import cpu_model  # beside this file
+    """The CPU the sides ran on, the precision its policy runs in, and its speed at the policy's matrix products."""
+    from learning_suite import cpu_model, cpu_speed  # beside this file
 
     from llamagym.models.devices import cpu_precision_note
 
-    return f"CPU: {cpu_model()}, {os.cpu_count()} cores, {threads} torch threads, {cpu_precision_note()}"
+    speed = f"{cpu_speed(threads):.0f} GFLOP/s at the policy's matrix products"
+    return f"CPU: {cpu_model()}, {os.cpu_count()} cores, {threads} torch threads, {cpu_precision_note()}, {speed}"
