@@ -234,6 +234,7 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
     from llamagym.algos.averaging import WeightAverage
 
     torch.set_num_threads(args.threads)
+    cpu_gflops = matmul_gflops()  # here, not in the parent: a fork after its threads ran would hang in OpenMP
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -312,6 +313,7 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
         agent.save(Path(args.output) / "agents" / f"{game.name}-{mode}-seed{seed}")
     s_per_update = float(np.mean(update_s)) if update_s else None
     result = run_record(game, mode, seed, curve, final, clock, invalid_train, s_per_update, log)
+    result["cpu_gflops"] = cpu_gflops
     if model.device.type == "cuda":
         result.update(
             device=torch.cuda.get_device_name(model.device), peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30
@@ -395,11 +397,12 @@ def markdown(runs: list[dict], header: dict) -> str:
         "Normalised scores (0 = uniform random play, 1 = optimal), exact evaluations of the greedy policy. "
         "t50/t80: training seconds to first reach 0.5/0.8. invalid: share of unparsable replies in the last "
         "update's batch (generate mode). latest: the final greedy policy of the latest weights instead of their "
-        "average over the last updates (`PPOConfig.average_updates`; - when off).",
+        "average over the last updates (`PPOConfig.average_updates`; - when off). GFLOP/s: the CPU's speed at the "
+        "policy's matrix products, measured as the run started (`matmul_gflops`).",
         "",
         "| game | mode | seed | before | best | final | latest | t50 (s) | t80 (s) | invalid | updates | s/update "
-        "| RSS (GiB) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| RSS (GiB) | GFLOP/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in runs:
         if "error" in r:
@@ -410,7 +413,7 @@ def markdown(runs: list[dict], header: dict) -> str:
             f"| {r['game']} | {r['mode']} | {r['seed']} | {r['before']:.2f} | {r['best']:.2f} | {r['final']:.2f} "
             f"| {_fmt(r.get('final_latest'))} | {_fmt(r['t50'], '.0f')} | {_fmt(r['t80'], '.0f')} | {invalid} "
             f"| {r['updates']} "
-            f"| {_fmt(r['s_per_update'], '.1f')} | {r['peak_rss_gib']:.2f} |"
+            f"| {_fmt(r['s_per_update'], '.1f')} | {r['peak_rss_gib']:.2f} | {_fmt(r.get('cpu_gflops'), '.0f')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -477,8 +480,7 @@ def main(argv=None):
     output.mkdir(parents=True, exist_ok=True)
     header = {
         "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "CPU": f"{cpu_model()} ({os.cpu_count()} cores; {args.threads} torch threads per run; {cpu_precision_note()}; "
-        f"{cpu_speed(args.threads):.0f} GFLOP/s at the policy's matrix products)",
+        "CPU": f"{cpu_model()} ({os.cpu_count()} cores; {args.threads} torch threads per run; {cpu_precision_note()})",
         "model": args.model,
         "device": args.device,
         "budget": f"{args.budget:g} training seconds per run, evaluation every {args.eval_every:g} s",

@@ -98,7 +98,8 @@ def matmul_gflops(precision: str = "auto", size: int = 1024, repeats: int = 5) -
     Why: an update is bound by its matrix products (docs/learning-that-holds.md), and one CPU model name covers
     machines far apart (a 2048-cube fp32 product ran at 36 GFLOP/s on an "AMD EPYC" of CPU family 23, 70-97 on ones
     of family 25; this function's 1024-cube one at 43 on the first), so a time or a learning curve measured on a CPU
-    is read beside this figure. It takes about 0.1-0.5 s at the default size.
+    is read beside this figure. It takes about 0.1-0.5 s at the default size. Run it in the process that trains, not in
+    a parent that forks them (multiprocessing's "fork"): its threads would hang the forked child in OpenMP.
 
     Raises:
         ValueError: `size` or `repeats` is not an integer >= 1, or `precision` is not one of "auto", "fp32", "bf16".
