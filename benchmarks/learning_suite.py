@@ -172,18 +172,6 @@ def cpu_model(cpuinfo: str | None = None) -> str:
     return name
 
 
-def cpu_speed(threads: int) -> float:
-    """`matmul_gflops` on `threads` torch threads, as each run computes (the machine's figure beside its times)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return matmul_gflops()
-    finally:
-        torch.set_num_threads(before)
-
-
 def peak_rss_gib() -> float:
     """This process's peak resident memory (ru_maxrss: KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

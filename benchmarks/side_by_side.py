@@ -39,10 +39,18 @@ def run_side(script: str, tree: Path, arguments: list[str], tag: str) -> str:
 
 
 def cpu_line(threads: int) -> str:
-    """The CPU the sides ran on, the precision its policy runs in, and its speed at the policy's matrix products."""
-    from learning_suite import cpu_model, cpu_speed  # beside this file
+    """The CPU the sides ran on, the precision its policy runs in, and its speed at the policy's matrix products on
+    `threads` threads (measured here in the parent: the sides are `subprocess` children, fork + exec, which its
+    OpenMP threads do not reach)."""
+    import torch
+    from learning_suite import cpu_model  # beside this file
 
-    from llamagym.models.devices import cpu_precision_note
+    from llamagym.models.devices import cpu_precision_note, matmul_gflops
 
-    speed = f"{cpu_speed(threads):.0f} GFLOP/s at the policy's matrix products"
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        speed = f"{matmul_gflops():.0f} GFLOP/s at the policy's matrix products"
+    finally:
+        torch.set_num_threads(before)
     return f"CPU: {cpu_model()}, {os.cpu_count()} cores, {threads} torch threads, {cpu_precision_note()}, {speed}"
