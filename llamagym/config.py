@@ -81,9 +81,6 @@ class PPOConfig:
     repeated_input_power: float | None = None  # each turn's advantage x n**-power, n the batch's turns in its state
     # (its prompt; ppo.repeated_input_weights): 0 = every turn alike, 0.5 = each state equal noise, 1 = each state
     # equal weight; None = the action mode's `repeated_input_power` (scoring 0.5; generate 0, where it was not measured)
-    return_memory: float = 0.0  # a value-based estimator's advantage is the mean return of the turn's (prompt, reply)
-    # over this and the last batches, decayed by this per batch, minus V (llamagym.algos.return_memory): 0 = the
-    # turn's own return; 0.8 pools about 5 batches of a game whose states come back
     max_kl: float | None = 0.02  # trust region: backtrack each step until the mean KL(old || new) per turn <= this
     # (scoring mode: per bit of choice, i.e. divided by log2 of the input's number of candidates)
     max_kl_generate: bool = False  # also bound generated replies (a noisy k3 estimate; scoring mode is always bound)
@@ -146,7 +143,6 @@ class PPOConfig:
                 "whiten_advantages": flag,
                 "advantage_scale": (lambda v: v in ADVANTAGE_SCALES, f"one of {', '.join(ADVANTAGE_SCALES)}"),
                 "repeated_input_power": (lambda v: v is None or unit[0](v), "None or a number in the interval [0, 1]"),
-                "return_memory": (lambda v: _num(v) and 0 <= v < 1, "a number in [0, 1) (0 = off)"),
                 "max_kl": (lambda v: v is None or (_num(v) and v > 0), "None (no trust region) or a number > 0"),
                 "max_kl_generate": flag,
                 "kl_coef": non_negative,
@@ -166,11 +162,6 @@ class PPOConfig:
                 "max_skipped_steps": count,
             },
         )
-        if self.return_memory and not estimators.get_estimator(self.advantage).needs_value:
-            raise ValueError(
-                f"`return_memory` pools returns against the value head's baseline, which the {self.advantage!r} "
-                f"estimator does not use. Set PPOConfig(advantage='gae') with it, or return_memory=0.0."
-            )
 
 
 @dataclass

@@ -33,7 +33,6 @@ CONFIGS = {
     "score-natural": (True, {}),  # repeated inputs weighed less, their turns counted over both ranks
     "generate-adamw-grpo": (False, {"mini_batch_size": 1000, "advantage": "grpo"}),
     "score-natural-turns-alike": (True, {"repeated_input_power": 0.0}),  # (the default weighs repeated inputs less)
-    "score-natural-return-memory": (True, {"return_memory": 0.8}),  # pairs' returns pooled over both ranks' turns
 }
 
 

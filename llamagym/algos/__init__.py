@@ -11,5 +11,4 @@
 - `trust_region.py`     the KL trust region every step is checked against (TRPO's line search)
 - `sft_replay.py`       the SFT warm-start replay buffer and its imitation loss
 - `averaging.py`        the adapter's average over the last updates, which greedy acting uses (Polyak averaging)
-- `return_memory.py`    each (prompt, reply)'s returns over the last batches: a low-noise action value for advantages
 """

@@ -7,9 +7,7 @@ What one action, one reward and one value are (docs/design.md §3):
 4. GAE (gamma, lam) runs across the turns of an episode; bootstrap from V(next state) only on truncation. Or
    another advantage estimator (`PPOConfig.advantage`, see `estimators.py`): critic-free ones compare an episode's
    return with its group's (episodes with the same first prompt, or the same `Episode.group`). The value head
-   still learns their returns-to-go (its loss and refit run as ever), though they do not read it. With
-   `PPOConfig.return_memory` a value-based advantage is Q(s, a) - V(s), Q the mean return of the turn's prompt and
-   reply over this and the last batches (`return_memory.py`).
+   still learns their returns-to-go (its loss and refit run as ever), though they do not read it.
 5. The turn's advantage is broadcast over its response tokens in a masked clipped PPO loss (a token mean, or
    `PPOConfig.loss_aggregation`; clip-higher with `clip_coef_high`). It is first weighed by n**-power when n of the
    batch's turns acted in its state, i.e. had its prompt (`PPOConfig.repeated_input_power`, by default the mode's:
@@ -54,7 +52,6 @@ from .averaging import WeightAverage
 from .modes import ActionMode, Recalled, mode_of
 from .modes.score import SCORE_TOKENS, token_chunks
 from .natural_gradient import NaturalGradient, RowGradients
-from .return_memory import ReturnMemory
 from .rollout import Episode, Turn, UpdateBatch, collate, minibatch_indices, numbered, prompt_batch
 from .sft_replay import SFTReplayBuffer, sft_loss
 from .trust_region import TrustRegion
@@ -119,8 +116,6 @@ class PPOTrainer:
         self.average = WeightAverage(lm_params, config.average_updates) if config.average_updates else None
         self._lent = False  # greedy_weights() has lent the average to the adapter
         self.return_moments = ppo.RunningMoments()  # every return so far: the scale of advantage_scale="returns"
-        # each (prompt, reply)'s returns over the last batches: the advantage's action value (return_memory.py)
-        self.return_memory = ReturnMemory(config.return_memory) if config.return_memory else None
         floor = config.entropy_floor
         self.entropy_floor = ppo.EntropyFloor(floor, config.entropy_floor_step) if floor is not None else None
         self.ent_coef = config.ent_coef  # this update's entropy bonus weight: ent_coef + the floor's (see `step`)
@@ -208,9 +203,6 @@ class PPOTrainer:
         scored, mine = self._advantage_batch(episodes, rewards, old_values)
         advantages, returns, estimator_stats = self.estimator(scored, cfg.gamma, cfg.lam, cfg.group_std_scaling)
         all_values = scored.values
-        if self.return_memory is not None:  # Q(s, a) over the last batches instead of this turn's own return
-            pooled, pooled_stats = self.return_memory.pool(_action_keys(turns), returns)
-            advantages, estimator_stats = pooled - all_values, {**estimator_stats, **pooled_stats}
         self.return_moments.update(returns)
         spread = {"adv/raw_std": _std(advantages), "adv/return_std": _std(returns), **estimator_stats}
         equal = _equal_returns(scored, cfg.gamma)
@@ -832,7 +824,6 @@ class PPOTrainer:
             "trust_start": self.trust_region.start if self.trust_region is not None else None,
             "entropy_floor": self.entropy_floor.state_dict() if self.entropy_floor is not None else None,
             "average": self.average.state_dict() if self.average is not None else None,
-            "return_memory": self.return_memory.state_dict() if self.return_memory is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -852,8 +843,6 @@ class PPOTrainer:
             self.entropy_floor.load_state_dict(state["entropy_floor"])
         if self.average is not None and state.get("average") is not None:  # absent before averaging existed
             self.average.load_state_dict(state["average"])
-        if self.return_memory is not None and state.get("return_memory") is not None:
-            self.return_memory.load_state_dict(state["return_memory"])
 
 
 class _Measured(NamedTuple):
@@ -878,15 +867,6 @@ def distinct_prompts(turns: list[Turn]) -> torch.Tensor:
     share an id.
     """
     return numbered([tuple(turn.prompt_ids) for turn in turns])
-
-
-def _action_keys(turns: list[Turn]) -> list[tuple]:
-    """Each turn's (prompt, reply) token ids, the key of `ReturnMemory`; data-parallel, every rank's turns in rank
-    order (the order the estimator's inputs are gathered in)."""
-    keys = [(tuple(turn.prompt_ids), tuple(turn.response_ids)) for turn in turns]
-    if distributed.is_distributed():
-        keys = [key for part in distributed.all_gather_objects(keys) for key in part]
-    return keys
 
 
 def episode_groups(episodes: list[Episode]) -> torch.Tensor:
