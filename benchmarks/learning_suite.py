@@ -88,7 +88,7 @@ def parse_args(argv=None):
         default="",
         metavar="H[,H...]",
         help="also evaluate greedy policies of the adapter averaged over these numbers of updates, on the same run "
-        "(curve: avg<H>_normalised; compares PPOConfig.average_updates without training twice)",
+        "(curve: avg<H>_normalised and avg<H>_invalid; compares PPOConfig.average_updates without training twice)",
     )
     parser.add_argument(
         "--quick", action="store_true", help="tiny model, 1 seed, 3 s and 1 update per run: checks it all works"
@@ -255,7 +255,9 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
         for horizon, other in also.items():
             if other.mean is not None:
                 with agent.trainer.greedy_average(other):
-                    point[f"avg{horizon}_normalised"] = suite.evaluate(game, agent)["normalised"]
+                    averaged = suite.evaluate(game, agent)
+                point[f"avg{horizon}_normalised"] = averaged["normalised"]
+                point[f"avg{horizon}_invalid"] = averaged.get("invalid_rate")
         clock["eval"] += time.perf_counter() - start
         curve.append(point)
         return figures

@@ -35,6 +35,7 @@ def test_quick_suite_trains_and_evaluates_every_game_in_both_modes(tmp_path):
         assert run["final_latest"] == run["curve"][-1]["latest_normalised"]
         assert 0.0 <= run["curve"][-1]["latest_invalid"] <= 1.0  # its invalid replies too
         assert run["curve"][-1]["avg2_normalised"] <= 1.0  # and the average over 2 (--also-average)
+        assert 0.0 <= run["curve"][-1]["avg2_invalid"] <= 1.0  # with its invalid replies
     table = (tmp_path / "results.md").read_text()
     assert "| game | mode | seed | before | best | final | latest |" in table and "model: tiny-random" in table
     assert "| RSS (GiB) | GFLOP/s |" in table
