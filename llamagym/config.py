@@ -96,7 +96,7 @@ class PPOConfig:
     # llamagym.algos.natural_gradient); None = on when every trained weight is in a Linear layer (LoRA)
     natural_step: float = 1.0  # natural_gradient: output move per unit of an input's per-turn output gradient
     natural_damping: float = 0.1  # natural_gradient: relative damping (larger is closer to a plain gradient step)
-    average_updates: int = 10  # greedy acting uses the adapter's average over about this many updates, at most the
+    average_updates: int = 3  # greedy acting uses the adapter's average over about this many updates, at most the
     # latest quarter of those so far (Polyak; llamagym.algos.averaging); sampling and training keep the current
     # weights; 0 = the current weights
     anneal_updates: int = 0  # adapter step (learning_rate, natural_step) falls linearly to 0 over N updates; 0 = off
