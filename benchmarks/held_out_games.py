@@ -3,11 +3,12 @@
 Each agent is what a user writes from the README's quickstart for a game whose observation is the whole state (three
 hooks, `action_names`, `context_turns = 0`; the two share the hooks that read a cell and a move, `GridAgent`); nothing
 else is set. The runs go through `learning_suite.py` (the same loop, budget, exact evaluations and outputs; every flag
-of it works here), with three games registered beside the suite's:
+of it works here), with four games registered beside the suite's:
 
-| name | env (deterministic) | what is learned | score: exact, greedy, from the start | random | optimal |
+| name | env | what is learned | score: exact, greedy, from the start | random | optimal |
 | --- | --- | --- | --- | --- | --- |
 | `frozenlake` | `FrozenLake-v1` 4x4, no slipping, 100 moves | the goal, 6 moves past 4 holes | P(goal) | 0.0139 | 1 |
+| `slippery` | the same, slippery, 100 moves | moves safe wherever the ice slides | P(goal) | 0.0139 | 0.7402 |
 | `cliff` | `CliffWalking-v1` 4x12, 50 moves | the goal past a cliff (-100); -1 a move | return | -579.16 | -13 |
 | `cliff200` | the same, 200 moves | the same, with room for random play to find the goal | return | -2079.12 | -13 |
 
@@ -15,7 +16,14 @@ The greedy policy plays one episode; random play is exact (the distribution of s
 a wall stays put, so a policy can loop for ever; FrozenLake pays 1 at the goal whatever the path, so only the discount
 (`PPOConfig.gamma` < 1; 0.99 by default) makes a loop worse than a walk.
 
-    python benchmarks/held_out_games.py --games frozenlake,cliff,cliff200 --modes score --seeds 0 --budget 600
+On the slippery lake a move goes the way chosen one time in three and otherwise to either side of it, so an episode is a
+distribution, not a path: the greedy policy is asked once for every cell play can reach (the agent is Markov) and its
+table is played exactly, carrying the distribution over cells move by move, as random play is. Its optimal is the best
+policy found, not proven best: value iteration's for the chance of ever reaching the goal, played for 100 moves (0.7402,
+about 45 moves a game), which no change of one cell's move improves (the test checks it). Random play is the plain
+lake's: a slip sends a uniformly random move in a uniformly random direction too.
+
+    python benchmarks/held_out_games.py --games frozenlake,slippery,cliff,cliff200 --modes score --seeds 0 --budget 600
 """
 
 from __future__ import annotations
@@ -64,6 +72,16 @@ class FrozenLakeAgent(GridAgent):
         )
 
 
+class SlipperyLakeAgent(FrozenLakeAgent):
+    ice = (
+        " The ice is slippery: a move goes the way you chose one time in three, and otherwise to one of the two "
+        "directions at right angles to it."
+    )
+
+    def get_system_prompt(self) -> str:
+        return super().get_system_prompt().replace(" Falling", f"{self.ice} Falling")
+
+
 class CliffAgent(GridAgent):
     action_names, columns = CLIFF_MOVES, 12
 
@@ -76,21 +94,86 @@ class CliffAgent(GridAgent):
         )
 
 
-def random_return(table: dict, start: int, limit: int) -> float:
-    """Exact expected return of uniform random play for `limit` moves, from the env's transition `table`
-    (`env.unwrapped.P`: state -> action -> [(prob, next state, reward, terminated)])."""
-    mass, total = {start: 1.0}, 0.0
+def carry(table: dict, start: int, limit: int, policy: dict[int, int] | None = None) -> tuple[float, float]:
+    """Exact expected return and mean number of moves of `limit` moves from `start`, the distribution over states
+    carried move by move through the env's transition `table` (`env.unwrapped.P`: state -> action -> [(prob, next
+    state, reward, terminated)]); `policy` (state -> action) plays, or uniform random play when None."""
+    mass, total, moves = {start: 1.0}, 0.0, 0.0
     for _ in range(limit):
         following: dict[int, float] = {}
         for state, p in mass.items():
-            for outcomes in table[state].values():
-                for prob, nxt, reward, terminated in outcomes:
-                    share = p * prob / len(table[state])
+            moves += p
+            actions = table[state] if policy is None else {policy[state]: None}
+            for action in actions:
+                for prob, nxt, reward, terminated in table[state][action]:
+                    share = p * prob / len(actions)
                     total += share * reward
                     if not terminated:
                         following[int(nxt)] = following.get(int(nxt), 0.0) + share
         mass = following
-    return total
+    return total, moves
+
+
+def random_return(table: dict, start: int, limit: int) -> float:
+    """Exact expected return of uniform random play for `limit` moves from `start` (`carry`)."""
+    return carry(table, start, limit)[0]
+
+
+def reachable(table: dict, start: int) -> list[int]:
+    """The states play can be in before its end, from `start` (in the order found)."""
+    found, todo = [start], [start]
+    while todo:
+        state = todo.pop()
+        for outcomes in table[state].values():
+            for prob, nxt, _, terminated in outcomes:
+                if prob > 0 and not terminated and int(nxt) not in found:
+                    found.append(int(nxt))
+                    todo.append(int(nxt))
+    return found
+
+
+def best_policy(table: dict, states: list[int], sweeps: int = 2000) -> dict[int, int]:
+    """Value iteration's policy for the most total reward ever collected (undiscounted: for a lake, the chance of
+    ever reaching the goal); ties go to the lowest action."""
+    value = dict.fromkeys(states, 0.0)
+
+    def worth(state: int, action: int) -> float:
+        return sum(p * (r + (0.0 if end else value[int(n)])) for p, n, r, end in table[state][action])
+
+    for _ in range(sweeps):
+        value = {state: max(worth(state, a) for a in table[state]) for state in states}
+    return {state: max(table[state], key=lambda a: (round(worth(state, a), 9), -a)) for state in states}
+
+
+def chance_evaluator(env_id: str, limit: int, **env_kwargs):
+    """(`evaluate(decide)`, expert table) of a toy-text env with chance in its moves, for a Markov policy: it is asked
+    once for every state play can reach (`reachable`), and its table plays exactly (`carry`). The optimal is
+    `best_policy`'s return over `limit` moves."""
+    env = gym.make(env_id, **env_kwargs).unwrapped
+    table, start = env.P, int(np.argmax(env.initial_state_distrib))
+    states = reachable(table, start)
+    random, expert = random_return(table, start, limit), best_policy(table, states)
+    optimal = carry(table, start, limit, expert)[0]
+
+    def evaluate(decide, **_) -> dict:
+        if not getattr(decide, "markov", False):
+            raise ValueError(
+                "This exact evaluation needs a policy of the current observation only (a decider whose `markov` "
+                "attribute is true, e.g. an agent with `context_turns = 0`)."
+            )
+        paths = [(state,) for state in states]
+        actions = list(decide(paths))
+        if len(actions) != len(paths):
+            raise RuntimeError(f"The policy returned {len(actions)} actions for {len(paths)} observations.")
+        score, moves = carry(table, start, limit, dict(zip(states, map(int, actions), strict=True)))
+        figures = {"score": score, "random": random, "optimal": optimal, "expected_return": score, "mean_turns": moves}
+        figures["normalised"] = suite.normalised(score, random, optimal)
+        valid = getattr(decide, "valid", None)
+        if valid is not None:
+            figures["invalid_rate"] = sum(not ok for ok in valid(paths)) / len(paths)
+        return figures
+
+    return evaluate, expert
 
 
 def evaluator(env_id: str, limit: int, optimal: float, **env_kwargs):
@@ -133,7 +216,8 @@ def cliff_game(name: str, env_id: str) -> suite.Game:
 
 # moves per episode: the registered time limit and the evaluators'. CliffWalking twice: in 50 moves random play finds
 # the goal once in about 800 episodes (1 in 100 keeping off the cliff), in 200 once in 43 (1 in 3.5)
-LIMITS = {"frozenlake": 100, "cliff": 50, "cliff200": 200}
+LIMITS = {"frozenlake": 100, "slippery": 100, "cliff": 50, "cliff200": 200}
+SLIPPERY, SLIPPERY_EXPERT = chance_evaluator("FrozenLake-v1", LIMITS["slippery"], is_slippery=True)
 GAMES = [
     suite.Game(
         "frozenlake",
@@ -144,6 +228,17 @@ GAMES = [
         frozen_lake_expert,
         agent_kwargs={"fallback_action": 0},
         env_kwargs={"is_slippery": False},
+        measure="success rate",
+    ),
+    suite.Game(
+        "slippery",
+        "heldout/FrozenLakeSlippery-v0",
+        "gymnasium.envs.toy_text:FrozenLakeEnv",
+        SlipperyLakeAgent,
+        SLIPPERY,
+        lambda observation: SLIPPERY_EXPERT[int(observation)],
+        agent_kwargs={"fallback_action": 0},
+        env_kwargs={"is_slippery": True},
         measure="success rate",
     ),
     cliff_game("cliff", "heldout/CliffWalking-v0"),
