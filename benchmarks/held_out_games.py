@@ -156,21 +156,12 @@ def chance_evaluator(env_id: str, limit: int, **env_kwargs):
     optimal = carry(table, start, limit, expert)[0]
 
     def evaluate(decide, **_) -> dict:
-        if not getattr(decide, "markov", False):
-            raise ValueError(
-                "This exact evaluation needs a policy of the current observation only (a decider whose `markov` "
-                "attribute is true, e.g. an agent with `context_turns = 0`)."
-            )
-        paths = [(state,) for state in states]
-        actions = list(decide(paths))
-        if len(actions) != len(paths):
-            raise RuntimeError(f"The policy returned {len(actions)} actions for {len(paths)} observations.")
+        actions, invalid = suite.ask_table(decide, states, "This exact evaluation")
         score, moves = carry(table, start, limit, dict(zip(states, map(int, actions), strict=True)))
         figures = {"score": score, "random": random, "optimal": optimal, "expected_return": score, "mean_turns": moves}
         figures["normalised"] = suite.normalised(score, random, optimal)
-        valid = getattr(decide, "valid", None)
-        if valid is not None:
-            figures["invalid_rate"] = sum(not ok for ok in valid(paths)) / len(paths)
+        if invalid is not None:
+            figures["invalid_rate"] = invalid
         return figures
 
     return evaluate, expert

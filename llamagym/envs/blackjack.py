@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..agent import Agent
-from .suite import Decide, Game, freeze, normalised
+from .suite import Decide, Game, ask_table, freeze, normalised
 
 State = tuple[int, int, int]  # (player_sum, dealer_card, usable_ace), exactly the env's observation
 PolicyLike = Callable[[int, int, int], float] | Mapping[State, float]
@@ -272,24 +272,14 @@ def evaluate(decide: Decide, natural: bool = False, sab: bool = False) -> dict[s
             f"Blackjack's exact evaluation covers `natural=False, sab=False` only. Received natural={natural!r}, "
             f"sab={sab!r}."
         )
-    if not getattr(decide, "markov", False):
-        raise ValueError(
-            "Blackjack's exact evaluation needs a policy of the current observation only (a decider whose `markov` "
-            "attribute is true, e.g. an agent with `context_turns = 0`): a policy that reads earlier turns is not "
-            "a table over the 280 states."
-        )
-    paths = [(state,) for state in STATES]
-    actions = list(decide(paths))
-    if len(actions) != len(paths):
-        raise RuntimeError(f"The policy returned {len(actions)} actions for {len(paths)} observations.")
+    actions, invalid = ask_table(decide, STATES, "Blackjack's exact evaluation")
     figures = exact_return(dict(zip(STATES, actions, strict=True)))
     random, optimal, _ = _references()
     score = figures["expected_return"]
     result = {"score": score, "random": random, "optimal": optimal, "normalised": normalised(score, random, optimal)}
     result.update(figures)
-    valid = getattr(decide, "valid", None)
-    if valid is not None:
-        result["invalid_rate"] = sum(not ok for ok in valid(paths)) / len(paths)
+    if invalid is not None:
+        result["invalid_rate"] = invalid
     return result
 
 

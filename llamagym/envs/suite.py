@@ -106,6 +106,30 @@ def markov(policy: Callable[[Any], Any]) -> Decide:
     return decide
 
 
+def ask_table(decide: Decide, states: Sequence, what: str) -> tuple[list[Any], float | None]:
+    """A Markov decider's action in each of `states`, asked once for all (the paths `(state,)`), and the share of
+    them whose reply named no valid action (None when the decider cannot tell): what an evaluator that plays a
+    policy's table exactly needs. `what` names the evaluation in the error.
+
+    Raises:
+        ValueError: `decide` is not Markov (its `markov` attribute is not true).
+        RuntimeError: `decide` returned the wrong number of actions.
+    """
+    if not getattr(decide, "markov", False):
+        raise ValueError(
+            f"{what} needs a policy of the current observation only (a decider whose `markov` attribute is true, e.g. "
+            f"an agent with `context_turns = 0`): a policy that reads earlier turns is not a table over the "
+            f"{len(states)} states."
+        )
+    paths = [(state,) for state in states]
+    actions = list(decide(paths))
+    if len(actions) != len(paths):
+        raise RuntimeError(f"The policy returned {len(actions)} actions for {len(paths)} observations.")
+    valid = getattr(decide, "valid", None)
+    invalid = None if valid is None else sum(not ok for ok in valid(paths)) / len(paths)
+    return actions, invalid
+
+
 class Transition(NamedTuple):
     """One outcome of an action: its probability, the next state and observation, the reward, and the end."""
 
