@@ -103,7 +103,7 @@ def carry(table: dict, start: int, limit: int, policy: dict[int, int] | None = N
         following: dict[int, float] = {}
         for state, p in mass.items():
             moves += p
-            actions = table[state] if policy is None else {policy[state]: None}
+            actions = list(table[state]) if policy is None else [policy[state]]
             for action in actions:
                 for prob, nxt, reward, terminated in table[state][action]:
                     share = p * prob / len(actions)
