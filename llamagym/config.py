@@ -84,6 +84,8 @@ class PPOConfig:
     max_kl: float | None = 0.02  # trust region: backtrack each step until the mean KL(old || new) per turn <= this
     # (scoring mode: per bit of choice, i.e. divided by log2 of the input's number of candidates)
     max_kl_generate: bool = False  # also bound generated replies (a noisy k3 estimate; scoring mode is always bound)
+    evidence_kl: float | None = None  # scoring mode, an experiment: each update's bound is max_kl x the share of the
+    # batch's push its episodes agree on (llamagym.algos.evidence), and at least max_kl x this floor; None = off
     kl_coef: float = 0.0  # (initial) weight of the per-turn KL to the reference policy in the reward; 0 = none
     kl_estimator: str = "k1"  # per-token estimator of kl_ref: k1, k2 or k3
     adaptive_kl: bool = False  # adapt kl_coef toward kl_target (Ziegler et al. 2019)
@@ -145,6 +147,7 @@ class PPOConfig:
                 "repeated_input_power": (lambda v: v is None or unit[0](v), "None or a number in the interval [0, 1]"),
                 "max_kl": (lambda v: v is None or (_num(v) and v > 0), "None (no trust region) or a number > 0"),
                 "max_kl_generate": flag,
+                "evidence_kl": (lambda v: v is None or (_num(v) and 0 < v <= 1), "None (off) or a number in (0, 1]"),
                 "kl_coef": non_negative,
                 "kl_estimator": (lambda v: v in KL_ESTIMATORS, f"one of {', '.join(KL_ESTIMATORS)}"),
                 "adaptive_kl": flag,
@@ -162,6 +165,11 @@ class PPOConfig:
                 "max_skipped_steps": count,
             },
         )
+        if self.evidence_kl is not None and self.max_kl is None:
+            raise ValueError(
+                "`evidence_kl` scales the trust region's bound, and `max_kl` is None (no trust region). Set max_kl "
+                "(e.g. 0.02), or evidence_kl=None."
+            )
 
 
 @dataclass

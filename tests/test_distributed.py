@@ -33,6 +33,7 @@ CONFIGS = {
     "score-natural": (True, {}),  # repeated inputs weighed less, their turns counted over both ranks
     "generate-adamw-grpo": (False, {"mini_batch_size": 1000, "advantage": "grpo"}),
     "score-natural-turns-alike": (True, {"repeated_input_power": 0.0}),  # (the default weighs repeated inputs less)
+    "score-natural-evidence": (True, {"evidence_kl": 0.05}),  # the bound sized by every rank's turns' evidence
 }
 
 

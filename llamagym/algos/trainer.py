@@ -47,7 +47,7 @@ from .. import distributed
 from ..config import PPOConfig, ReplayConfig
 from ..models.host_memory import FreedMemoryBound
 from ..models.policy import Policy
-from . import estimators, ppo
+from . import estimators, evidence, ppo
 from .averaging import WeightAverage
 from .modes import ActionMode, Recalled, mode_of
 from .modes.score import SCORE_TOKENS, token_chunks
@@ -251,6 +251,11 @@ class PPOTrainer:
             returns=returns[mine],
         )
         spread.update(self._entropy_bonus(data, equal))
+        if data.old_dists is not None:  # scoring mode: how much of the step the batch's episodes agree on
+            spread["adv/evidence"] = self._evidence(data, scored, mine)
+            if region is not None and cfg.evidence_kl is not None:
+                region.max_kl = cfg.max_kl * max(spread["adv/evidence"], cfg.evidence_kl)
+                spread["trust/bound"] = region.max_kl
 
         # 4. epochs x minibatches (each accumulated over micro-batches), target-KL check before each step
         stats: dict[str, list[float]] = defaultdict(list)
@@ -731,6 +736,18 @@ class PPOTrainer:
             step_key=numbered(step_keys).to(device),
         )
         return batch, mine
+
+    @torch.no_grad()
+    def _evidence(self, data: UpdateBatch, scored: estimators.AdvantageBatch, mine: slice) -> float:
+        """`evidence.evidence_fraction` of this batch's scored turns (data-parallel: over every rank's turns, the
+        same number on every rank)."""
+        push = evidence.turn_pushes(data.advantages, data.batch.choice.to(data.advantages.device), data.old_dists)
+        if distributed.is_distributed():  # candidate counts differ across ranks: pad the pushes to the widest
+            width = int(distributed.reduce_number(push.shape[1], "max"))
+            push = distributed.all_gather_cat(torch.nn.functional.pad(push, (0, width - push.shape[1])))[0]
+            mine = slice(0, len(push))
+        state, episode = scored.step_key[mine].to(push.device), scored.episode[mine].to(push.device)
+        return evidence.evidence_fraction(push, state, episode, len(scored.terminal))
 
     def _backward(self, loss: torch.Tensor) -> bool:
         """Accumulate the gradient of `loss`; a non-finite loss clears the accumulated gradients instead."""
