@@ -161,7 +161,7 @@ def test_a_bf16_policy_on_a_cpu_caps_onednn_cache_unless_the_user_set_one(tokeni
     Policy(build_tiny_model(tokenizer, seed=0), lora_config, precision="fp32")
     assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in environ  # fp32: its products kept no such cache (23rd session)
     Policy(build_tiny_model(tokenizer, seed=0), lora_config, precision="bf16")
-    assert environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(host_memory.ONEDNN_CACHE_CAPACITY) == "128"
+    assert environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(host_memory.ONEDNN_CACHE_CAPACITY) == "16"
     environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = "512"  # the user's setting wins, under either of its names
     assert host_memory.bound_onednn_cache() is False and environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "512"
     del environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]

@@ -14,8 +14,9 @@ resident memory has grown a bound past one step's working set. Elsewhere (macOS,
 Live memory grew too: bf16 matrix products on a CPU run as oneDNN primitives, one set per shape, kept in a cache of
 up to 1024. Generate mode meets new lengths in every batch, so that cache only filled: over guess-the-number's first
 seven updates the resident memory after an update rose from 1.15 to 1.60 GiB with it, from 1.10 to 1.33 GiB with it
-capped at 128, at the same 22.5 s an update (docs/learning-that-holds.md, thirty-seventh session).
-`bound_onednn_cache` caps it.
+capped at 128, at the same 22.5 s an update (docs/learning-that-holds.md, thirty-seventh session). On a Xeon with AMX
+(family 6 model 167) a cache of 128 still let tic-tac-toe's generate-mode run peak at 3.08 GiB in 20 minutes; at 16 it
+peaked at 2.14 GiB, its updates 0.91x as long on the same batches (sixty-second session). `bound_onednn_cache` caps it.
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ import os
 DEFAULT_SLACK_MIB = 256
 
 # oneDNN's primitive cache capacity (its own default is 1024), unless the user sets one (see `bound_onednn_cache`).
-# At 8 every primitive is made again and an update took 1.6x as long (twenty-third session); at 128 generate mode's
-# updates took as long as at 1024, scoring mode's 1.04x over a 3-minute probe (thirty-seventh session).
-ONEDNN_CACHE_CAPACITY = 128
+# At 8 every primitive was made again and an update took 1.6x as long (twenty-third session, Xeon model 207); at 128
+# generate mode's updates took as long as at 1024, scoring mode's 1.04x over a 3-minute probe (thirty-seventh, Zen 4).
+# At 16 against 128 on the same batches (sixty-second session, Xeon model 167): generate mode's updates 0.91x as long
+# and its peak 2.14 GiB instead of 3.08; scoring mode's 1.06x as long, its peak 1.61 GiB instead of 1.90.
+ONEDNN_CACHE_CAPACITY = 16
 ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY")
 
 
