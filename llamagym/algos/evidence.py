@@ -18,6 +18,12 @@ positive-part James-Stein estimate of the push's squared size). Summed over stat
 is 0 for a batch whose every state's push comes from one episode (nothing says another episode would push the
 same way), near 1 when many episodes push each state alike, and 1 - 1/k when k episodes push alike and the rest
 not at all.
+
+Measured (sixty-second session, one seed each, 10 minutes): most batches of every game carry almost none of it (means
+0.014-0.063 a batch), Blackjack's because each of its states is met by about one episode a batch. Sizing the bound by
+it (`PPOConfig(evidence_kl=0.05)`) lifted the slippery lake from 0.049 to 0.153 but starved Blackjack (0.678, against
+0.89-0.97 on the defaults): a game of many states learns by adding small noisy steps whose noise cancels across
+updates. So it is logged on every scored update (`adv/evidence`) and sizes the bound only when asked.
 """
 
 from __future__ import annotations
