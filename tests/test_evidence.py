@@ -35,11 +35,15 @@ def test_evidence_of_two_episodes_in_one_state(advantages, expected):
 
 def test_k_of_e_episodes_agreeing_give_one_minus_the_noise_share():
     """k of E episodes push one state alike, the others not at all: 1 - (E - k) / (k (E - 1))."""
-    for e, k in [(4, 2), (8, 1), (8, 4), (32, 3)]:
+
+    def agreeing(e: int, k: int) -> float:
         push = pushes([1.0] * k + [0.0] * (e - k), [0] * e)
-        got = evidence_fraction(push, torch.zeros(e, dtype=torch.long), torch.arange(e), e)
-        assert got == pytest.approx(max(0.0, 1 - (e - k) / (k * (e - 1))))
-    assert 1 - (4 - 2) / (2 * 3) == pytest.approx(2 / 3)  # the first case's golden value
+        return evidence_fraction(push, torch.zeros(e, dtype=torch.long), torch.arange(e), e)
+
+    assert agreeing(4, 2) == pytest.approx(2 / 3)  # golden: 1 - 2 / (2 * 3)
+    assert agreeing(8, 1) == pytest.approx(0.0)  # one episode alone: no evidence
+    for e, k in [(8, 4), (32, 3)]:
+        assert agreeing(e, k) == pytest.approx(1 - (e - k) / (k * (e - 1)))
 
 
 def test_states_are_summed_before_the_share_and_an_episodes_turns_in_one_state_add_up():
