@@ -23,7 +23,8 @@ Measured (sixty-second session, one seed each, 10 minutes): most batches of ever
 0.014-0.063 a batch), Blackjack's because each of its states is met by about one episode a batch. Sizing the bound by
 it (`PPOConfig(evidence_kl=0.05)`) lifted the slippery lake from 0.049 to 0.153 but starved Blackjack (0.678, against
 0.89-0.97 on the defaults): a game of many states learns by adding small noisy steps whose noise cancels across
-updates. So it is logged on every scored update (`adv/evidence`) and sizes the bound only when asked.
+updates. So it is logged on every scored update of one process (`adv/evidence`; data-parallel, only when asked,
+as it takes two collectives) and sizes the bound only when asked.
 """
 
 from __future__ import annotations

@@ -251,9 +251,12 @@ class PPOTrainer:
             returns=returns[mine],
         )
         spread.update(self._entropy_bonus(data, equal))
-        if data.old_dists is not None:  # scoring mode: how much of the step the batch's episodes agree on
+        # scoring mode: how much of the step the batch's episodes agree on. Data-parallel it takes two collectives,
+        # so there it is measured only when it sizes the bound (`evidence_kl`); in one process it is always logged.
+        asked = cfg.evidence_kl is not None
+        if data.old_dists is not None and (asked or not distributed.is_distributed()):
             spread["adv/evidence"] = self._evidence(data, scored, mine)
-            if region is not None and cfg.evidence_kl is not None:
+            if region is not None and asked:
                 region.max_kl = cfg.max_kl * max(spread["adv/evidence"], cfg.evidence_kl)
                 spread["trust/bound"] = region.max_kl
 
