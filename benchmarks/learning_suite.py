@@ -47,6 +47,8 @@ LOGGED = (
     "ppo/entropy_fraction", "ppo/entropy_floor_coef", "ppo/entropy_floor_turns", "memory/trims", "agent/explored_rate",
     "adv/evidence", "trust/bound",
 )  # fmt: skip
+# game name -> probe(agent) -> dict, recorded at each evaluation under --probe (registered by other benchmarks)
+PROBES: dict = {}
 
 
 def parse_args(argv=None):
@@ -85,6 +87,12 @@ def parse_args(argv=None):
         "both: each game through both, same budget",
     )
     parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="at each evaluation also record the game's probe (PROBES: what another benchmark registers, e.g. "
+        "guess_number_states.py) in the curve's points, as `probe`",
+    )
+    parser.add_argument(
         "--also-average",
         default="",
         metavar="H[,H...]",
@@ -113,6 +121,10 @@ def parse_args(argv=None):
     if args.trainer != "llamagym":  # learning_suite_trl.py runs it; the adapter plays in generate mode
         args.modes = ([] if args.trainer == "trl" else args.modes) + ["generate-trl"]
     args.seeds = [int(s) for s in args.seeds.split(",")]
+    unprobed = [g for g in args.games if g not in PROBES]
+    if args.probe and unprobed:
+        known = ", ".join(PROBES) or "none"
+        parser.error(f"--probe: no probe is registered for {', '.join(unprobed)} (registered: {known}).")
     if args.group_size < 1:
         parser.error(f"--group-size should be an integer >= 1. Received {args.group_size}.")
     if args.min_updates < 0:
@@ -253,6 +265,8 @@ def train(game_name: str, mode: str, seed: int, args) -> dict:
                 latest_score=latest["score"],
                 latest_invalid=latest.get("invalid_rate"),
             )
+        if args.probe:  # latest weights, as sampled (the benchmark that registered it says what it records)
+            point["probe"] = PROBES[game_name](agent)
         for horizon, other in also.items():
             if other.mean is not None:
                 with agent.trainer.greedy_average(other):
