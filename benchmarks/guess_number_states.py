@@ -167,9 +167,12 @@ def report(path: Path) -> str:
     return "\n".join(lines)
 
 
+learning_suite.PROBES["guess_number"] = probe  # at import: a spawned run's child (--device cuda) registers it too
+
 if __name__ == "__main__":
-    learning_suite.PROBES["guess_number"] = probe
     argv = ["--games", "guess_number", "--modes", "score", "--probe", *sys.argv[1:]]
+    if learning_suite.parse_args(argv).modes != ["score"]:
+        sys.exit("guess_number_states.py reads scoring mode's distributions: run it with --modes score (the default).")
     code = learning_suite.main(argv)
     print(report(Path(learning_suite.parse_args(argv).output) / "results.json"))
     sys.exit(code)

@@ -91,3 +91,10 @@ def test_a_quick_run_records_the_sampled_policy_at_each_evaluation(tmp_path):
         assert -1 < probed["sampled"] < 1 and 0 < probed["entropy"] <= 1 and 0 < probed["on_optimal"] < 1
         assert all(0 <= error["p_optimal"] < 1 for error in probed["errors"])
     assert "seed 0: final" in done.stdout and "sampled" in done.stdout
+
+
+@pytest.mark.slow
+def test_generate_mode_is_refused_with_what_to_do():
+    cmd = [sys.executable, "benchmarks/guess_number_states.py", "--quick", "--modes", "generate"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "run it with --modes score" in done.stderr
