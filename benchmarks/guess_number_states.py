@@ -83,9 +83,10 @@ def occupancy(policy: dict[Key, np.ndarray], keys: list[Key], n: int = N, k: int
     return reach
 
 
-def greedy_errors(policy: dict[Key, np.ndarray], keys: list[Key], n: int = N, k: int = K) -> list[dict]:
-    """The states of `policy`'s greedy play whose guess is not optimal (see the module docstring)."""
-    _, q = action_values(policy, keys, n)
+def greedy_errors(policy: dict[Key, np.ndarray], keys: list[Key], n: int = N, k: int = K, q=None) -> list[dict]:
+    """The states of `policy`'s greedy play whose guess is not optimal (see the module docstring); `q`: the policy's
+    action values over `keys` when the caller has them."""
+    q = action_values(policy, keys, n)[1] if q is None else q
     best, q_star = action_values(None, keys, n)
     errors, todo = [], [((1, n, k), 1.0)]
     while todo:
@@ -110,7 +111,7 @@ def greedy_errors(policy: dict[Key, np.ndarray], keys: list[Key], n: int = N, k:
 
 def figures(policy: dict[Key, np.ndarray], keys: list[Key], n: int = N, k: int = K) -> dict:
     """The sampled policy's figures (see the module docstring) from its table over `keys`."""
-    values, _ = action_values(policy, keys, n)
+    values, q = action_values(policy, keys, n)
     best, q_star = action_values(None, keys, n)
     reach = occupancy(policy, keys, n, k)
     total = sum(reach.values())
@@ -121,7 +122,7 @@ def figures(policy: dict[Key, np.ndarray], keys: list[Key], n: int = N, k: int =
         "sampled": (values[(1, n, k)] - refs["random"]) / (refs["optimal"] - refs["random"]),
         "entropy": entropy / total / math.log(n),
         "on_optimal": on_optimal / total,
-        "errors": greedy_errors(policy, keys, n, k),
+        "errors": greedy_errors(policy, keys, n, k, q),
     }
 
 
@@ -171,8 +172,9 @@ learning_suite.PROBES["guess_number"] = probe  # at import: a spawned run's chil
 
 if __name__ == "__main__":
     argv = ["--games", "guess_number", "--modes", "score", "--probe", *sys.argv[1:]]
-    if learning_suite.parse_args(argv).modes != ["score"]:
+    args = learning_suite.parse_args(argv)
+    if args.modes != ["score"]:
         sys.exit("guess_number_states.py reads scoring mode's distributions: run it with --modes score (the default).")
     code = learning_suite.main(argv)
-    print(report(Path(learning_suite.parse_args(argv).output) / "results.json"))
+    print(report(Path(args.output) / "results.json"))
     sys.exit(code)
