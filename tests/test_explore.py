@@ -1,11 +1,16 @@
-"""Exploration in generate mode: with probability `explore` a sampled reply is replaced by a candidate drawn
-uniformly, written as the model would write it, played, and trained on as the model's own."""
+"""Exploration (`Agent(explore=...)`). In generate mode, with probability `explore` a sampled reply is replaced by a
+candidate drawn uniformly, written as the model would write it, played, and trained on as the model's own. In scoring
+mode each of C candidates is sampled at least explore / C of the time, so only a settled choice changes."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 from gymnasium import spaces
 
 from llamagym import Agent, PPOConfig
+from llamagym.algos.modes import MODES
+from llamagym.algos.modes.score import Scored, floored
 from llamagym.algos.rollout import Turn, collate
 from llamagym.models.tiny_random import build_tiny_model
 
@@ -29,7 +34,7 @@ class NumberAgent(Agent):
         return int(digits[-1]) if digits else None
 
 
-def make_agent(model, tokenizer, lora_config, explore, **kwargs):
+def make_agent(model, tokenizer, lora_config, explore, action_mode="generate", **kwargs):
     config = PPOConfig(batch_size=8, min_batch_turns=0, mini_batch_size=8, ppo_epochs=1, seed=0)
     return NumberAgent(
         model,
@@ -39,7 +44,7 @@ def make_agent(model, tokenizer, lora_config, explore, **kwargs):
         lora_config=lora_config,
         precision="fp32",
         generation_config={"max_new_tokens": 4, "temperature": 1.0},
-        action_mode="generate",
+        action_mode=action_mode,
         fallback_action=1,
         sft_warm_start=False,
         explore=explore,
@@ -150,3 +155,65 @@ def test_exploring_without_candidates_says_what_to_do(model, tokenizer, lora_con
     with pytest.raises(ValueError, match="explore=0.1 draws replies from action_candidates, which returned None"):
         agent.act(0)
     assert agent.episode.turns == []  # nothing recorded
+
+
+def test_floored_golden_values():
+    torch.testing.assert_close(floored(torch.tensor([0.7, 0.2, 0.1]), 0.05), torch.tensor([0.7, 0.2, 0.1]))
+    torch.testing.assert_close(
+        floored(torch.tensor([0.98, 0.015, 0.005]), 0.05), torch.tensor([0.9074, 0.0463, 0.0463]), atol=1e-4, rtol=0
+    )
+
+
+def scored_actor(probs: list[float], explore: float):
+    """An actor whose score memory already holds the policy `probs` over three one-token candidates of one prompt."""
+    memory = {}
+    actor = SimpleNamespace(
+        policy=SimpleNamespace(sharded=False),
+        memory=lambda mode: memory,
+        score_cache_size=10,
+        score_tokens=1024,
+        explore=explore,
+    )
+    candidates = [[7], [8], [9]]
+    key = MODES["score"].key([1, 2], candidates)
+    memory[key] = Scored(torch.tensor(probs).log(), torch.tensor(0.0), torch.zeros(4))
+    return actor, [[1, 2]], [candidates]
+
+
+def test_scoring_draws_a_settled_states_other_candidates_at_their_least_share_and_marks_them():
+    actor, prompts, candidates = scored_actor([0.998, 0.001, 0.001], explore=0.3)  # least share 0.1 each
+    torch.manual_seed(0)
+    choices = [MODES["score"].choose(actor, prompts, candidates)[0] for _ in range(3000)]
+    counts = torch.bincount(torch.tensor([c.choice for c in choices]), minlength=3) / 3000
+    expected = torch.tensor([0.998, 0.1, 0.1]) / 1.198  # 0.833, 0.083, 0.083 (the policy alone: 0.001 each)
+    torch.testing.assert_close(counts, expected, atol=0.02, rtol=0)
+    assert all(c.explored == (c.choice != 0) for c in choices)
+    assert all(c.response_ids == candidates[0][c.choice] for c in choices)
+
+
+def test_scoring_leaves_a_state_alone_where_every_candidate_keeps_its_share():
+    draws = {}
+    for explore in (0.0, 0.3):
+        actor, prompts, candidates = scored_actor([0.5, 0.3, 0.2], explore)
+        torch.manual_seed(0)
+        draws[explore] = [MODES["score"].choose(actor, prompts, candidates)[0] for _ in range(200)]
+    assert draws[0.3] == draws[0.0]  # the same draws, none marked explored
+    assert not any(c.explored for c in draws[0.3])
+
+
+def test_scoring_agent_reports_its_drawn_share_and_greedy_scoring_never_explores(tokenizer, lora_config):
+    torch.manual_seed(0)
+    agent = make_agent(build_tiny_model(tokenizer, seed=0), tokenizer, lora_config, 0.99, action_mode="score")
+    with agent.evaluating():
+        agent.act_batch(list(range(8)))
+    assert (agent._drawn, agent._sampled) == (0, 0) and agent.actor.explore == 0.0
+    stats, turns = {}, []
+    while "ppo/policy_loss" not in stats:
+        actions = agent.act_batch(list(range(8)))
+        turns += [slot.episode.turns[-1] for slot in agent.slots]
+        agent.assign_rewards([float(a == 7) for a in actions])
+        drawn, sampled = agent._drawn, agent._sampled
+        stats = agent.end_episodes([True] * 8)
+    assert all(turn.mode == "score" and turn.choice is not None for turn in turns)
+    assert sampled == len(turns) and 0 < drawn < sampled  # the tiny model gives some of the 9 digits under 0.11
+    assert stats["agent/explored_rate"] == drawn / sampled

@@ -87,13 +87,17 @@ class Agent(ABC):
             (tic-tac-toe, whose fallback is the centre, seed 1 in generate mode for 20 minutes, before cut replies
             were capped: 1.0% of the greedy replies unreadable at the end with 0.5, 8.8% without; with the cap,
             2.7% without; docs/learning-that-holds.md).
-        explore: in generate mode, the share of sampled replies replaced by one of `action_candidates` drawn
-            uniformly (epsilon-greedy over written replies), for a game whose good moves the model never writes: it
-            learns only among the replies it samples. A drawn reply is written as the model writes one, played, and
-            trained on as its own (PPO's old log-probs are the policy's for that text). Measured on guess-the-number
-            (0.2, 20 minutes, seeds 0 and 2): the greedy replies were readable sooner, the score no higher
-            (docs/learning-that-holds.md, thirty-third session). Needs `action_candidates`; scoring mode (which
-            samples every candidate already), greedy acting and `predict` never explore. 0 (the default) draws nothing.
+        explore: how much sampled acting explores beyond the policy (never greedy acting nor `predict`; 0, the
+            default, not at all). In scoring mode each of a turn's C candidates is sampled at least explore / C of
+            the time (`modes.score.floored`): nothing changes where every candidate keeps that share, and a state
+            the policy has settled still draws the others, so a better choice given up early can be learned again.
+            In generate mode, the share of sampled replies replaced by one of `action_candidates` drawn uniformly
+            (epsilon-greedy over written replies), for a game whose good moves the model never writes (it learns
+            only among the replies it samples); a drawn reply is written as the model writes one (measured on
+            guess-the-number, 0.2, 20 minutes, seeds 0 and 2: the greedy replies were readable sooner, the score no
+            higher; docs/learning-that-holds.md, thirty-third session). Either way a drawn choice is played and
+            trained on as the policy's own (PPO's old log-probs are the policy's), and `agent/explored_rate` counts
+            the drawn share. Needs `action_candidates`.
         action_space: the env's action space, to reject parsed actions outside it.
         action_mode: "generate" (sample a reply and parse it), "score" (choose among `action_candidates`), "auto"
             (score when `action_candidates` returns a list, else generate), or the name of a mode added with
@@ -194,7 +198,7 @@ class Agent(ABC):
         self.fallback_action = fallback_action
         self.format_penalty = float(format_penalty)
         self.explore = float(explore)
-        self._drawn = self._sampled = 0  # since the last update: replies drawn by `explore`, replies sampled
+        self._drawn = self._sampled = 0  # since the last update: choices drawn by `explore`, choices sampled
         self.action_space = action_space
         self.actor = Actor(self.policy, self.formatter, self.pad_token_id, self.eos_ids, self.generation)
         self.action_mode = action_mode
@@ -403,7 +407,7 @@ class Agent(ABC):
         stats = self.trainer.step(episodes, acted=self.actor.memory)  # old outputs acting computed are reused
         stats["agent/batch_invalid_action_rate"] = _mean(not t.valid for e in episodes for t in e.turns)
         stats["agent/batch_cut_reply_rate"] = _mean(not t.finished for e in episodes for t in e.turns)
-        if self.explore:  # replies drawn by `explore` since the last update, of those acted
+        if self.explore:  # choices drawn by `explore` since the last update, of those acted
             stats["agent/explored_rate"] = self._drawn / max(1, self._sampled)
             self._drawn = self._sampled = 0
         if self.sampling_seed is not None:

@@ -47,6 +47,7 @@ class Actor:
         self.reuse_prefix = True  # run the prompts' shared first tokens once per step (Policy.score, Policy.prefill)
         self.score_cache_size = 65536  # distinct scored inputs remembered between weight updates
         self.score_tokens = SCORE_TOKENS  # candidate tokens per scoring forward (each a vocabulary-wide row of logits)
+        self.explore = 0.0  # scoring: each candidate's least share of samples, times their number (set by `decide`)
         self._memory: dict[str, dict] = {}
         self._memory_stamp: tuple | None = None
 
@@ -151,8 +152,9 @@ def decide(
     The agent's hooks format the observations and name the candidates; nothing is recorded here. Under
     `action_mode="auto"` the mode is "score" when `action_candidates` lists replies, else "generate".
 
-    `explore` (with a mode that writes its replies, and never when `greedy`): each reply is replaced, with that
-    probability, by one of `action_candidates` drawn uniformly (`explore_replies`).
+    `explore` (never when `greedy`): with a mode that writes its replies, each reply is replaced, with that
+    probability, by one of `action_candidates` drawn uniformly (`explore_replies`); with a mode that chooses among
+    them, the mode samples each of C candidates at least explore / C of the time (`Actor.explore`).
     """
     if not observations:
         return []
@@ -193,6 +195,7 @@ def decide(
     mode = fixed or MODES["score" if listed else "generate"]
     scored = listed and mode.takes_candidates
     cand_ids = [[agent.actor.candidate_ids(t) for t in texts] for texts in candidates] if scored else None
+    agent.actor.explore = explore if scored else 0.0
     with agent.trainer.greedy_weights() if greedy else nullcontext():  # greedy: the averaged adapter
         choices = mode.choose(agent.actor, prompts, cand_ids, greedy)
     explored = explore_replies(candidates, explore) if not scored and explore > 0 else {}
@@ -223,7 +226,7 @@ def decide(
                 chosen.choice,
                 parsed,
                 mode.name,
-                k in explored,
+                k in explored or chosen.explored,
             )
         )
     return decisions

@@ -62,6 +62,7 @@ class Choice(NamedTuple):
 
     response_ids: list[int]  # the reply's token ids (the chosen candidate's, when choosing among candidates)
     choice: int | None = None  # the index of the chosen candidate, or None when there were no candidates
+    explored: bool = False  # drawn by exploration (`Acting.explore`) where the policy itself gives it less
 
 
 class Acting(Protocol):
@@ -74,6 +75,7 @@ class Acting(Protocol):
     reuse_prefix: bool  # run the prompts' shared first tokens once per forward (generating: each distinct prompt once)
     score_tokens: int  # scoring: candidate tokens per forward (each costs a vocabulary-wide row of logits)
     score_cache_size: int  # scoring: distinct inputs remembered between weight updates
+    explore: float  # scoring: sample each of C candidates with probability at least explore / C (`floored`)
 
     def memory(self, mode: ActionMode) -> dict:
         """`mode`'s own dict, kept between calls and emptied whenever the policy's outputs may have changed."""

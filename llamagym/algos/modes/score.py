@@ -89,12 +89,18 @@ class ScoreMode(ActionMode):
             logprobs, values, features = out.logprobs.float().cpu(), out.values.float().cpu(), out.features.cpu()
             for i, key in enumerate(part):
                 scores[key] = Scored(logprobs[i, : len(key[1])], values[i], features[i])
-        rows = [scores[key].logprobs for key in keys]
-        if greedy:
-            chosen = [int(row.argmax()) for row in rows]
-        else:
-            chosen = [int(torch.multinomial(row.exp(), 1)) for row in rows]
-        return [Choice(cands[c], c) for cands, c in zip(candidates, chosen, strict=True)]
+        choices = []
+        for cands, key in zip(candidates, keys, strict=True):
+            probs = scores[key].logprobs.exp()
+            least = 0.0 if greedy else actor.explore / len(probs)
+            if greedy:
+                c = int(probs.argmax())
+            elif least:
+                c = int(torch.multinomial(floored(probs, least), 1))
+            else:
+                c = int(torch.multinomial(probs, 1))
+            choices.append(Choice(cands[c], c, bool(probs[c] < least)))
+        return choices
 
     # ---- training --------------------------------------------------------------------------------------------
     def input_key(self, turn: Turn) -> tuple:
@@ -178,6 +184,21 @@ class ScoreMode(ActionMode):
         """
         old = data.old_dists[part, : now.dists.shape[1]]
         return relative_kl(old, now.dists, data.batch.num_candidates[part])
+
+
+def floored(probs: torch.Tensor, least: float) -> torch.Tensor:
+    """(C,) the distribution acting samples from: each of `probs` (C,) raised to at least `least`, renormalised.
+
+    Exploration aimed where the policy is sure: a state whose candidates all keep `least` already is sampled as the
+    policy says, and one that has settled on a candidate still draws each other one about `least` of the time, so a
+    better choice the policy gave up early can be drawn, and learned, again (guess-the-number's runs that stop short
+    hold a state's guess at p 0.98 with the better one at p 0.005: docs/learning-that-holds.md, sixty-third session).
+
+    Examples: (0.7, 0.2, 0.1) floored at 0.05: unchanged; (0.98, 0.015, 0.005) at 0.05: (0.98, 0.05, 0.05) / 1.08 =
+    (0.9074, 0.0463, 0.0463).
+    """
+    raised = probs.clamp_min(least)
+    return raised / raised.sum()
 
 
 def entropy_fraction(logp: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
