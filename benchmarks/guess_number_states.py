@@ -28,7 +28,8 @@ from pathlib import Path
 import learning_suite  # beside this file
 import numpy as np
 
-from llamagym.envs.guess_number import State, play, references
+from llamagym.envs import guess_number
+from llamagym.envs.guess_number import references
 
 N, K = 16, 5  # the suite's size of the game
 Key = tuple[int, int, int]  # (low, high, guesses left): the interval still possible, as the player sees it
@@ -48,15 +49,10 @@ def reachable(n: int = N, k: int = K) -> list[Key]:
 
 
 def outcomes(key: Key, guess: int) -> list[tuple[float, float, Key | None]]:
-    """(probability, reward, next state or None once the game is over) of guessing `guess` in state `key`: the secret
-    is uniform on [low, high], and the secrets below, at and above the guess each lead to one outcome."""
-    low, high, left = key
-    size, result = high - low + 1, []
-    for first, last in ((low, min(high, guess - 1)), (max(low, guess), min(high, guess)), (max(low, guess + 1), high)):
-        if first <= last:
-            nxt, _, reward, done = play(State(first, low, high, left), guess)
-            result.append(((last - first + 1) / size, reward, None if done else (nxt.low, nxt.high, nxt.left)))
-    return result
+    """(probability, reward, next state or None once the game is over) of guessing `guess` in state `key`
+    (`guess_number.outcomes`, with states as keys)."""
+    found = guess_number.outcomes(*key, guess)
+    return [(p, reward, None if nxt is None else (nxt.low, nxt.high, nxt.left)) for p, reward, nxt in found]
 
 
 def action_values(policy: dict[Key, np.ndarray] | None, keys: list[Key], n: int = N):

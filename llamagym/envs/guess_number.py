@@ -140,6 +140,22 @@ def _start(n: int, k: int) -> list[tuple[float, State, tuple[int, int, int, int]
 
 
 @functools.lru_cache(maxsize=16)
+def outcomes(low: int, high: int, left: int, guess: int) -> list[tuple[float, float, State | None]]:
+    """(probability, reward, next state or None once the game is over) of guessing `guess` with `left` guesses on the
+    interval [low, high], the secret uniform on it. The secrets below, at and above the guess each lead to one
+    outcome, so one of each group is played (`play`); the next state's `secret` is that one, not the secret's law.
+
+    Examples: [1, 3], 2 left, guess 2: 1/3 each of (1..1, 1 left), found (reward 1), (3..3, 1 left); guess 5: one
+    outcome, (1..3, 1 left), the hint saying what was known.
+    """
+    size, result = high - low + 1, []
+    for first, last in ((low, min(high, guess - 1)), (max(low, guess), min(high, guess)), (max(low, guess + 1), high)):
+        if first <= last:
+            nxt, _, reward, done = play(State(first, low, high, left), guess)
+            result.append(((last - first + 1) / size, reward, None if done else nxt))
+    return result
+
+
 def references(n: int = 16, k: int = 5) -> dict[str, float]:
     """Exact success rates of uniform random guessing (`random`) and of the best policy (`optimal`), and binary
     search's mean number of guesses (`binary_search_turns`, from a play-out of `expert`).
@@ -157,14 +173,9 @@ def references(n: int = 16, k: int = 5) -> dict[str, float]:
         total_random, best = 0.0, 0.0
         for guess in range(1, min(size + 1, n) + 1):
             count = 1 if guess <= size else n - size  # guess size + 1 stands for the n - size outside the interval
-            # the secrets below, equal to and above the guess: each group has one outcome, so play one of them
             q_random = q_best = 0.0
-            for first, last in ((1, min(size, guess - 1)), (guess, min(size, guess)), (guess + 1, size)):
-                if first > last:
-                    continue
-                nxt, _, reward, done = play(State(first, 1, size, left), guess)
-                v_random, v_best = (0.0, 0.0) if done else values(nxt.high - nxt.low + 1, nxt.left)
-                weight = (last - first + 1) / size
+            for weight, reward, nxt in outcomes(1, size, left, guess):
+                v_random, v_best = (0.0, 0.0) if nxt is None else values(nxt.high - nxt.low + 1, nxt.left)
                 q_random, q_best = q_random + weight * (reward + v_random), q_best + weight * (reward + v_best)
             total_random, best = total_random + count * q_random, max(best, q_best)
         return total_random / n, best
