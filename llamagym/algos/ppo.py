@@ -400,6 +400,23 @@ class AdaptiveKLController(FixedKLController):
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
+def log_barrier(dists: Tensor, mask: Tensor) -> Tensor:
+    """The mean over turns (`mask` (N, 1)) of each turn's sum of log-probs over its candidates (`dists` (N, C),
+    -inf = padding): a log-barrier that keeps every candidate's probability above 0.
+
+    Its gradient on a turn's logit z_a is 1 - C p_a: every candidate the policy gives less than 1/C is pulled up by
+    about 1 whether or not it was sampled, the likely ones down. Added to a policy-gradient objective with weight b, a
+    candidate whose advantage is A < 0 settles where p A + b (1 - C p) = 0, p = b / (C b - A), about b / |A|: never 0,
+    so a choice given up early can come back when the evidence turns (log-barrier regularisation of softmax policy
+    gradient: Agarwal et al. 2020, arXiv:1908.00261). Greedy play, the arg-max, is unchanged by it.
+
+    Examples: one turn (0.5, 0.25, 0.25): ln 0.5 + 2 ln 0.25 = -3.4657; with a padded row (ln 1, -inf) beside it, the
+    mean is (-3.4657 + 0) / 2 = -1.7329.
+    """
+    total = dists.masked_fill(torch.isinf(dists), 0.0).sum(-1, keepdim=True)
+    return masked_mean(total, mask)
+
+
 class EntropyFloor:
     """An entropy bonus that switches itself on when the sampled policy's entropy falls below a floor.
 

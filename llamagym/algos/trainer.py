@@ -119,6 +119,7 @@ class PPOTrainer:
         floor = config.entropy_floor
         self.entropy_floor = ppo.EntropyFloor(floor, config.entropy_floor_step) if floor is not None else None
         self.ent_coef = config.ent_coef  # this update's entropy bonus weight: ent_coef + the floor's (see `step`)
+        self._barrier = config.barrier  # this update's log-barrier weight (0 on a batch of equal returns)
         self._entropy_weights: torch.Tensor | None = None  # that weight per turn of the batch (None: no bonus)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.num_updates = 0
@@ -275,7 +276,7 @@ class PPOTrainer:
                 if region is not None:
                     region.remember()
                 if self._step(stats) and region is not None:
-                    before = mb["ppo/surrogate"] + mb["ppo/entropy_bonus"]
+                    before = mb["ppo/surrogate"] + mb["ppo/entropy_bonus"] + mb["ppo/barrier"]
                     measure = functools.partial(self._measure, data, index, before, keep)
                     for key, value in region.enforce(measure, self._moved).items():
                         stats[f"trust/{key}"].append(value)
@@ -553,7 +554,7 @@ class PPOTrainer:
         for part in micro:
             # a natural step records each input's own gradient; a plain one needs their sum: shared tokens run once
             with natural.recording() if natural is not None else self.policy.summed_gradients() as watch:
-                logprobs, part_mask, values, entropy, _ = self._evaluate(data, part, True, watch=watch)
+                logprobs, part_mask, values, entropy, dists = self._evaluate(data, part, True, watch=watch)
             old = data.old_logprobs[part, : logprobs.shape[1]]
             token_share, row_share = part_mask.sum() / total_tokens, len(part) / total_rows
             part_advantages = data.advantages[part].unsqueeze(-1).expand_as(old)
@@ -565,12 +566,13 @@ class PPOTrainer:
                 values, data.old_values[part], data.returns[part], torch.ones_like(values), cfg.vf_clip_coef
             )
             bonus = self._entropy_bonus_term(entropy, part, part_mask)
+            barrier = self._barrier * ppo.log_barrier(dists, part_mask) if self._barrier else bonus.new_zeros(())
             entropy = ppo.masked_mean(entropy, part_mask)
             approx_kl = ppo.approx_kl(logprobs, old, part_mask)
             # a per-reply aggregation is a mean over rows: its micro-batch weighs by its share of the rows
             pg_share = token_share if cfg.loss_aggregation == "token_mean" else row_share
             pg_term = pg_loss if cfg.loss_aggregation == "token_mean" else pg_loss * (row_share / token_share)
-            loss = (pg_term - bonus) * token_share + cfg.vf_coef * v_loss * row_share
+            loss = (pg_term - bonus - barrier) * token_share + cfg.vf_coef * v_loss * row_share
             if not self._backward(loss):
                 finite = False
                 break
@@ -579,6 +581,7 @@ class PPOTrainer:
                 ("ppo/value_loss", v_loss, row_share),
                 ("ppo/entropy", entropy, token_share),
                 ("ppo/entropy_bonus", bonus, token_share),
+                ("ppo/barrier", barrier, token_share),
                 ("ppo/approx_kl", approx_kl, token_share),
                 ("ppo/clipfrac", clipfrac, token_share),
                 ("ppo/surrogate", surrogate, token_share),
@@ -625,6 +628,8 @@ class PPOTrainer:
             objective = _surrogate(logprobs, old, part_advantages, part_mask)
             if self._entropy_weights is not None:
                 objective = objective + self._entropy_bonus_term(now.entropy, part, part_mask)
+            if self._barrier:
+                objective = objective + self._barrier * ppo.log_barrier(now.dists, part_mask)
             objective_after += float(objective * part_mask.sum() / tokens)
         kl = torch.cat(kls)
         if keep:
@@ -660,6 +665,13 @@ class PPOTrainer:
             floor = self.entropy_floor.update(stats["ppo/entropy_fraction"])
             stats["ppo/entropy_floor_coef"] = floor
         self.ent_coef = 0.0 if equal else self.config.ent_coef + floor
+        if self.config.barrier and data.old_dists is None:
+            raise ValueError(
+                f"PPOConfig(barrier={self.config.barrier}) is a log-barrier over candidates: it needs scoring mode "
+                "(action_mode='score', or 'auto' with action_candidates), and this batch's turns were generated. "
+                "Set barrier=0 for generate mode."
+            )
+        self._barrier = 0.0 if equal else self.config.barrier
         weights = None
         if self.ent_coef:
             weights = torch.full_like(data.advantages, self.config.ent_coef)

@@ -1,0 +1,63 @@
+"""The log-barrier (`PPOConfig.barrier`): every candidate's log-prob in the objective, so that a candidate the batch
+never chose is raised instead of left to sink."""
+
+import math
+
+import pytest
+import torch
+
+from llamagym.algos import ppo
+from llamagym.algos.rollout import Episode, Turn
+from llamagym.config import PPOConfig
+from tests.test_entropy_floor import trainer
+from tests.test_trust_region import CANDIDATES, PROMPTS, distributions, scored_episodes
+
+
+def test_log_barrier_golden_values():
+    dists = torch.tensor([[0.5, 0.25, 0.25], [1.0, 0.0, 0.0]]).log()  # the second row: one candidate, then padding
+    assert float(ppo.log_barrier(dists, torch.ones(2, 1))) == pytest.approx(-1.7329, abs=1e-4)
+    assert float(ppo.log_barrier(dists, torch.tensor([[1.0], [0.0]]))) == pytest.approx(-3.4657, abs=1e-4)
+
+
+def test_log_barrier_pulls_each_logit_by_one_minus_c_times_its_probability():
+    logits = torch.tensor([[2.0, 0.0, 0.0]], requires_grad=True)  # p = (0.7870, 0.1065, 0.1065)
+    ppo.log_barrier(torch.log_softmax(logits, -1), torch.ones(1, 1)).backward()
+    torch.testing.assert_close(logits.grad, torch.tensor([[-1.3610, 0.6805, 0.6805]]), atol=1e-4, rtol=0)
+
+
+def test_the_barrier_keeps_the_candidates_a_settling_policy_leaves_from_sinking(lora_config, tokenizer):
+    """Input 1 of three candidates: the first pays, the second costs, the third is never chosen. As the policy
+    settles on the first, the barrier holds the others up (it pulls each candidate under 1/3 up, those above down)."""
+    rewards, choices = [1.0, -1.0] * 3, [0, 1] * 3  # input 1's turns: candidate 1 (-1), then candidate 0 (+1)
+    after = {}
+    for barrier in (0.0, 0.5):
+        torch.manual_seed(0)
+        agent = trainer(lora_config, tokenizer, barrier=barrier, entropy_floor=None)
+        for _ in range(9):
+            stats = agent.step(scored_episodes(rewards, choices))
+            assert (stats["ppo/barrier"] < 0) == (barrier > 0) and math.isfinite(stats["ppo/loss"])
+        after[barrier] = distributions(agent.policy)[1].exp()
+    assert float(after[0.0][0]) > 0.75 and float(after[0.5][0]) > max(after[0.5][1:])  # both settle on the first
+    assert float(after[0.5][2]) > float(after[0.0][2]) + 0.05  # the one never chosen
+    assert float(after[0.5][1]) > float(after[0.0][1]) + 0.02  # the one that costs, still drawn now and then
+
+
+def test_a_batch_of_equal_returns_takes_no_barrier_step(lora_config, tokenizer):
+    torch.manual_seed(0)
+    agent = trainer(lora_config, tokenizer, barrier=0.5, entropy_floor=None)
+    before = distributions(agent.policy)
+    stats = agent.step(scored_episodes([1.0] * 6, [0, 1, 0, 1, 0, 1]))
+    assert stats["adv/equal_returns"] == 1.0
+    torch.testing.assert_close(distributions(agent.policy), before)
+
+
+def test_generate_mode_says_the_barrier_needs_scoring(lora_config, tokenizer):
+    pairs = enumerate(zip(PROMPTS, CANDIDATES, strict=True))
+    episodes = [Episode([Turn(p, c[0], float(i % 2))]) for i, (p, c) in pairs]
+    with pytest.raises(ValueError, match=r"barrier=0.5\) is a log-barrier over candidates: it needs scoring mode"):
+        trainer(lora_config, tokenizer, natural_gradient=None, barrier=0.5).step(episodes)
+
+
+def test_a_negative_barrier_says_what_to_pass():
+    with pytest.raises(ValueError, match="barrier"):
+        PPOConfig(barrier=-0.1)
