@@ -17,6 +17,7 @@ def test_log_barrier_golden_values():
     dists = torch.tensor([[0.5, 0.25, 0.25], [1.0, 0.0, 0.0]]).log()  # the second row: one candidate, then padding
     assert float(ppo.log_barrier(dists, torch.ones(2, 1))) == pytest.approx(-1.7329, abs=1e-4)
     assert float(ppo.log_barrier(dists, torch.tensor([[1.0], [0.0]]))) == pytest.approx(-3.4657, abs=1e-4)
+    assert float(ppo.log_barrier(dists, torch.ones(2, 1), torch.tensor([0.5, 1.0]))) == pytest.approx(-0.8664, abs=1e-4)
 
 
 def test_log_barrier_pulls_each_logit_by_one_minus_c_times_its_probability():

@@ -400,9 +400,10 @@ class AdaptiveKLController(FixedKLController):
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
-def log_barrier(dists: Tensor, mask: Tensor) -> Tensor:
+def log_barrier(dists: Tensor, mask: Tensor, weights: Tensor | None = None) -> Tensor:
     """The mean over turns (`mask` (N, 1)) of each turn's sum of log-probs over its candidates (`dists` (N, C),
-    -inf = padding): a log-barrier that keeps every candidate's probability above 0.
+    -inf = padding), times the turn's weight (`weights` (N,), None = 1): a log-barrier that keeps every candidate's
+    probability above 0.
 
     Its gradient on a turn's logit z_a is 1 - C p_a: every candidate the policy gives less than 1/C is pulled up by
     about 1 whether or not it was sampled, the likely ones down. Added to a policy-gradient objective with weight b, a
@@ -411,9 +412,11 @@ def log_barrier(dists: Tensor, mask: Tensor) -> Tensor:
     gradient: Agarwal et al. 2020, arXiv:1908.00261). Greedy play, the arg-max, is unchanged by it.
 
     Examples: one turn (0.5, 0.25, 0.25): ln 0.5 + 2 ln 0.25 = -3.4657; with a padded row (ln 1, -inf) beside it, the
-    mean is (-3.4657 + 0) / 2 = -1.7329.
+    mean is (-3.4657 + 0) / 2 = -1.7329; weighed 0.5 and 1, -0.8664.
     """
     total = dists.masked_fill(torch.isinf(dists), 0.0).sum(-1, keepdim=True)
+    if weights is not None:
+        total = total * weights.unsqueeze(-1)
     return masked_mean(total, mask)
 
 

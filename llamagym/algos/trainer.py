@@ -120,6 +120,7 @@ class PPOTrainer:
         self.entropy_floor = ppo.EntropyFloor(floor, config.entropy_floor_step) if floor is not None else None
         self.ent_coef = config.ent_coef  # this update's entropy bonus weight: ent_coef + the floor's (see `step`)
         self._barrier = config.barrier  # this update's log-barrier weight (0 on a batch of equal returns)
+        self._turn_weights: torch.Tensor | None = None  # each turn's weight from its state's count (None: all 1)
         self._entropy_weights: torch.Tensor | None = None  # that weight per turn of the batch (None: no bonus)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.num_updates = 0
@@ -239,7 +240,10 @@ class PPOTrainer:
         if power:  # scaled after the estimator: the weights shrink what a turn moves, not its return. Counted by
             # state (the prompt; over every rank's turns, data-parallel), not by model input: a generated reply is
             # part of its input, and counting replies would weigh an action down for being chosen often
-            local = local * state_weights(scored.step_key, power, mine, local.device)
+            self._turn_weights = state_weights(scored.step_key, power, mine, local.device)
+            local = local * self._turn_weights
+        else:
+            self._turn_weights = None
         self._batch_summary = (
             f"batch of {len(turns)} turns: mean reward {float(env_rewards.mean()):.4g}, advantages in "
             f"[{float(advantages.min()):.4g}, {float(advantages.max()):.4g}], kl/ref {float(kl_ref.mean()):.4g}"
@@ -566,7 +570,7 @@ class PPOTrainer:
                 values, data.old_values[part], data.returns[part], torch.ones_like(values), cfg.vf_clip_coef
             )
             bonus = self._entropy_bonus_term(entropy, part, part_mask)
-            barrier = self._barrier * ppo.log_barrier(dists, part_mask) if self._barrier else bonus.new_zeros(())
+            barrier = self._barrier_term(dists, part, part_mask)
             entropy = ppo.masked_mean(entropy, part_mask)
             approx_kl = ppo.approx_kl(logprobs, old, part_mask)
             # a per-reply aggregation is a mean over rows: its micro-batch weighs by its share of the rows
@@ -629,7 +633,7 @@ class PPOTrainer:
             if self._entropy_weights is not None:
                 objective = objective + self._entropy_bonus_term(now.entropy, part, part_mask)
             if self._barrier:
-                objective = objective + self._barrier * ppo.log_barrier(now.dists, part_mask)
+                objective = objective + self._barrier_term(now.dists, part, part_mask)
             objective_after += float(objective * part_mask.sum() / tokens)
         kl = torch.cat(kls)
         if keep:
@@ -688,6 +692,15 @@ class PPOTrainer:
         if self._entropy_weights is None:
             return entropy.new_zeros(())
         return ppo.masked_mean(entropy * self._entropy_weights[part].unsqueeze(-1), mask)
+
+    def _barrier_term(self, dists: torch.Tensor | None, part: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Rows `part`'s log-barrier (`ppo.log_barrier`) times this update's weight, each turn weighed as its
+        advantage is (`repeated_input_power`), so that the barrier and the evidence of a frequent state shrink
+        together (0 when this update has none)."""
+        if not self._barrier:
+            return mask.new_zeros(())
+        weights = None if self._turn_weights is None else self._turn_weights[part]
+        return self._barrier * ppo.log_barrier(dists, mask, weights)
 
     def _moved(self) -> None:
         """The weights changed outside an optimizer step (the trust region, the value refit): outputs cached under
