@@ -69,9 +69,9 @@ class PPOConfig:
     # most: entropy / ln(candidates)) is below this, an entropy bonus on the turns below it grows (ppo.EntropyFloor);
     # None = off
     entropy_floor_step: float = 0.002  # how much that bonus's weight rises (or falls, above the floor) per update
-    barrier: float = 0.0  # scoring mode: weight of a log-barrier, the sum of log-probs over each turn's candidates,
-    # added to the objective: it raises every unlikely candidate (its logit by about `barrier` x the advantage's
-    # pull), so none is driven to probability 0 unsampled (ppo.log_barrier); 0 = off
+    barrier: float = 0.0  # scoring mode: weight of a log-barrier, the sum of log-probs over each turn's candidates
+    # (weighed as its advantage), added to the objective: a candidate is never driven to probability 0 unsampled, one of
+    # advantage A < 0 settles near barrier / |A| (ppo.log_barrier); 0 = off (an experiment: docs/learning-that-holds.md)
     max_grad_norm: float = 1.0  # global gradient-norm clip (with natural_gradient: of the adapter step itself)
     cap_cut_replies: bool = True  # a generated reply cut at max_new_tokens, before its end token, never gets positive
     # credit nor is imitated (it was read before it ended: else paying rambles teach the model never to end a reply);

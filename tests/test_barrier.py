@@ -10,6 +10,7 @@ from llamagym.algos import ppo
 from llamagym.algos.rollout import Episode, Turn
 from llamagym.config import PPOConfig
 from tests.test_entropy_floor import trainer
+from tests.test_explore import NumberAgent
 from tests.test_trust_region import CANDIDATES, PROMPTS, distributions, scored_episodes
 
 
@@ -57,6 +58,13 @@ def test_generate_mode_says_the_barrier_needs_scoring(lora_config, tokenizer):
     episodes = [Episode([Turn(p, c[0], float(i % 2))]) for i, (p, c) in pairs]
     with pytest.raises(ValueError, match=r"barrier=0.5\) is a log-barrier over candidates: it needs scoring mode"):
         trainer(lora_config, tokenizer, natural_gradient=None, barrier=0.5).step(episodes)
+
+
+def test_an_agent_in_generate_mode_says_the_barrier_needs_scoring(model, tokenizer, lora_config):
+    with pytest.raises(ValueError, match="it needs scoring mode"):
+        NumberAgent(
+            model, tokenizer, lora_config=lora_config, action_mode="generate", ppo_config=PPOConfig(barrier=0.5)
+        )
 
 
 def test_a_negative_barrier_says_what_to_pass():

@@ -149,6 +149,11 @@ class Agent(ABC):
             raise ValueError(f"`explore` should be a number in [0, 1). Received {explore!r}.")
         distributed.init_from_env()  # under a launcher (WORLD_SIZE > 1): join its process group; else nothing
         self.ppo_config = ppo_config or PPOConfig()
+        if self.ppo_config.barrier and action_mode == "generate":  # said here, before a batch is played for nothing
+            raise ValueError(
+                f"PPOConfig(barrier={self.ppo_config.barrier}) is a log-barrier over candidates: it needs scoring mode "
+                "(action_mode='score', or 'auto' with action_candidates). Set barrier=0 for generate mode."
+            )
         if use_target_kl is not None:  # a copy: the caller's config object is left as it was
             self.ppo_config = dataclasses.replace(self.ppo_config, use_target_kl=bool(use_target_kl))
         if device is not None:

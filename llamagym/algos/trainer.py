@@ -654,7 +654,8 @@ class PPOTrainer:
         return float(kl.mean()), float(kl.max()), objective_after >= objective_before - tolerance
 
     def _entropy_bonus(self, data: UpdateBatch, equal: bool) -> dict[str, float]:
-        """Set this update's entropy bonus: the configured `ent_coef` on every turn plus the entropy floor's weight,
+        """Set this update's entropy bonus (and its log-barrier's weight, `PPOConfig.barrier`, which needs scored
+        turns): the configured `ent_coef` on every turn plus the entropy floor's weight,
         adapted to the batch's mean entropy fraction (`ppo.EntropyFloor`; over every rank's turns, data-parallel), on
         the turns whose own entropy fraction is below the floor. A batch of equal returns gets none: nothing says any
         action was better, and it takes no policy step. Returns the stats to log."""
