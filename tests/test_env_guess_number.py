@@ -287,8 +287,7 @@ def test_agent_plays_an_episode(model, tokenizer, mode, extra):
 def test_outcomes_of_a_guess_group_the_secrets_below_at_and_above_it():
     found = gn.outcomes(1, 3, 2, 2)
     assert [(p, reward) for p, reward, _ in found] == [(1 / 3, 0.0), (1 / 3, 1.0), (1 / 3, 0.0)]
-    assert [(s.low, s.high, s.left) for _, _, s in (found[0], found[2])] == [(1, 1, 1), (3, 3, 1)] and found[1][
-        2
-    ] is None
+    assert [(s.low, s.high, s.left) for _, _, s in (found[0], found[2])] == [(1, 1, 1), (3, 3, 1)]
+    assert found[1][2] is None  # found: the game is over
     (only,) = gn.outcomes(4, 9, 3, 12)  # outside the interval: one outcome, nothing learned but a guess spent
     assert only[:2] == (1.0, 0.0) and (only[2].low, only[2].high, only[2].left) == (4, 9, 2)

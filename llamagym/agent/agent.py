@@ -20,7 +20,7 @@ import torch
 from .. import distributed
 from ..algos.modes import MODES
 from ..algos.rollout import Episode, Turn
-from ..algos.trainer import PPOTrainer
+from ..algos.trainer import PPOTrainer, barrier_needs_scoring
 from ..config import PPOConfig, ReplayConfig
 from ..models import sharding
 from ..models.devices import resolve_device
@@ -150,10 +150,7 @@ class Agent(ABC):
         distributed.init_from_env()  # under a launcher (WORLD_SIZE > 1): join its process group; else nothing
         self.ppo_config = ppo_config or PPOConfig()
         if self.ppo_config.barrier and action_mode == "generate":  # said here, before a batch is played for nothing
-            raise ValueError(
-                f"PPOConfig(barrier={self.ppo_config.barrier}) is a log-barrier over candidates: it needs scoring mode "
-                "(action_mode='score', or 'auto' with action_candidates). Set barrier=0 for generate mode."
-            )
+            raise barrier_needs_scoring(self.ppo_config.barrier)
         if use_target_kl is not None:  # a copy: the caller's config object is left as it was
             self.ppo_config = dataclasses.replace(self.ppo_config, use_target_kl=bool(use_target_kl))
         if device is not None:

@@ -671,11 +671,7 @@ class PPOTrainer:
             stats["ppo/entropy_floor_coef"] = floor
         self.ent_coef = 0.0 if equal else self.config.ent_coef + floor
         if self.config.barrier and data.old_dists is None:
-            raise ValueError(
-                f"PPOConfig(barrier={self.config.barrier}) is a log-barrier over candidates: it needs scoring mode "
-                "(action_mode='score', or 'auto' with action_candidates), and this batch's turns were generated. "
-                "Set barrier=0 for generate mode."
-            )
+            raise barrier_needs_scoring(self.config.barrier)
         self._barrier = 0.0 if equal else self.config.barrier
         weights = None
         if self.ent_coef:
@@ -898,6 +894,15 @@ class _Measured(NamedTuple):
     rows: torch.Tensor  # (M,) the turns measured
     dists: torch.Tensor  # (M, C) their distributions over the candidates
     features: torch.Tensor  # (M, H) the value head's inputs (the values follow from the head as it is when used)
+
+
+def barrier_needs_scoring(barrier: float) -> ValueError:
+    """The error for `PPOConfig(barrier=...)` with generated turns (said by the agent when it is created in generate
+    mode, and by the trainer when a batch of generated turns reaches it under "auto")."""
+    return ValueError(
+        f"PPOConfig(barrier={barrier}) is a log-barrier over candidates: it needs scoring mode (action_mode='score', "
+        "or 'auto' with action_candidates). Set barrier=0 for generate mode."
+    )
 
 
 def state_weights(step_key: torch.Tensor, power: float, mine: slice, device: torch.device) -> torch.Tensor:
