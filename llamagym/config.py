@@ -72,6 +72,8 @@ class PPOConfig:
     barrier: float = 0.0  # scoring mode: weight of a log-barrier, the sum of log-probs over each turn's candidates
     # (weighed as its advantage), added to the objective: a candidate is never driven to probability 0 unsampled, one of
     # advantage A < 0 settles near barrier / |A| (ppo.log_barrier); 0 = off (an experiment: docs/learning-that-holds.md)
+    barrier_floor: float = 0.0  # > 0: the barrier acts only on candidates under this probability (a hinge on log p),
+    # so settled states keep their other candidates near it and open ones are left alone; 0 = on every candidate
     max_grad_norm: float = 1.0  # global gradient-norm clip (with natural_gradient: of the adapter step itself)
     cap_cut_replies: bool = True  # a generated reply cut at max_new_tokens, before its end token, never gets positive
     # credit nor is imitated (it was read before it ended: else paying rambles teach the model never to end a reply);
@@ -144,6 +146,7 @@ class PPOConfig:
                 "entropy_floor": (lambda v: v is None or (_num(v) and 0 < v < 1), "None (off) or a number in (0, 1)"),
                 "entropy_floor_step": positive,
                 "barrier": non_negative,
+                "barrier_floor": (lambda v: _num(v) and 0 <= v < 1, "a number in [0, 1) (0 = every candidate)"),
                 "max_grad_norm": positive,
                 "cap_cut_replies": flag,
                 "whiten_advantages": flag,
@@ -169,6 +172,11 @@ class PPOConfig:
                 "max_skipped_steps": count,
             },
         )
+        if self.barrier_floor and not self.barrier:
+            raise ValueError(
+                f"`barrier_floor={self.barrier_floor}` says under which probability the log-barrier acts, and "
+                "`barrier` is 0 (off). Set barrier (e.g. 0.02) to use it, or barrier_floor=0."
+            )
         if self.evidence_kl is not None and self.max_kl is None:
             raise ValueError(
                 "`evidence_kl` scales the trust region's bound, and `max_kl` is None (no trust region). Set max_kl "

@@ -21,6 +21,18 @@ def test_log_barrier_golden_values():
     assert float(ppo.log_barrier(dists, torch.ones(2, 1), torch.tensor([0.5, 1.0]))) == pytest.approx(-0.8664, abs=1e-4)
 
 
+def test_a_floored_barrier_counts_only_the_candidates_under_its_floor():
+    dists = torch.tensor([[0.5, 0.25, 0.25], [1.0, 0.0, 0.0]]).log()
+    assert float(ppo.log_barrier(dists, torch.ones(2, 1), floor=0.3)) == pytest.approx(-0.1823, abs=1e-4)
+    assert float(ppo.log_barrier(dists, torch.ones(2, 1), floor=0.2)) == 0.0  # every candidate above it: left alone
+
+
+def test_a_floored_barrier_pulls_up_only_the_candidates_under_its_floor():
+    logits = torch.tensor([[3.0, 1.0, -2.0]], requires_grad=True)  # p = (0.8756, 0.1185, 0.0059)
+    ppo.log_barrier(torch.log_softmax(logits, -1), torch.ones(1, 1), floor=0.01).backward()
+    torch.testing.assert_close(logits.grad, torch.tensor([[-0.8756, -0.1185, 0.9941]]), atol=1e-4, rtol=0)
+
+
 def test_log_barrier_pulls_each_logit_by_one_minus_c_times_its_probability():
     logits = torch.tensor([[2.0, 0.0, 0.0]], requires_grad=True)  # p = (0.7870, 0.1065, 0.1065)
     ppo.log_barrier(torch.log_softmax(logits, -1), torch.ones(1, 1)).backward()
@@ -42,6 +54,27 @@ def test_the_barrier_keeps_the_candidates_a_settling_policy_leaves_from_sinking(
     assert float(after[0.0][0]) > 0.75 and float(after[0.5][0]) > max(after[0.5][1:])  # both settle on the first
     assert float(after[0.5][2]) > float(after[0.0][2]) + 0.05  # the one never chosen
     assert float(after[0.5][1]) > float(after[0.0][1]) + 0.02  # the one that costs, still drawn now and then
+
+
+def test_a_floored_barrier_leaves_an_open_policy_alone_and_holds_a_sinking_candidate_up(lora_config, tokenizer):
+    """The settling policy of the test above, with the barrier acting only under p 0.1: while every candidate is above
+    the floor it steps as the policy without a barrier; later the candidate that costs is held up, and the one never
+    chosen (above the floor) is not pulled towards 1/3 as the plain barrier pulls it."""
+    rewards, choices = [1.0, -1.0] * 3, [0, 1] * 3
+    after = {}
+    for barrier, floor in ((0.0, 0.0), (0.5, 0.0), (0.5, 0.1)):
+        torch.manual_seed(0)
+        agent = trainer(lora_config, tokenizer, barrier=barrier, barrier_floor=floor, entropy_floor=None)
+        for step in range(9):
+            agent.step(scored_episodes(rewards, choices))
+            if step == 2:
+                after[barrier, floor, "open"] = distributions(agent.policy)[1].exp()
+        after[barrier, floor] = distributions(agent.policy)[1].exp()
+    torch.testing.assert_close(after[0.5, 0.1, "open"], after[0.0, 0.0, "open"])
+    hinge, plain, none = after[0.5, 0.1], after[0.5, 0.0], after[0.0, 0.0]
+    assert float(hinge[0]) > 0.7 and float(hinge[0]) > float(plain[0])  # it settles, sooner than with the plain one
+    assert float(hinge[1]) > float(none[1]) + 0.03  # the one that costs, held up
+    assert float(hinge[2]) < float(plain[2]) - 0.1  # the one never chosen, above the floor: left to the evidence
 
 
 def test_a_batch_of_equal_returns_takes_no_barrier_step(lora_config, tokenizer):
@@ -70,3 +103,10 @@ def test_an_agent_in_generate_mode_says_the_barrier_needs_scoring(model, tokeniz
 def test_a_negative_barrier_says_what_to_pass():
     with pytest.raises(ValueError, match="barrier"):
         PPOConfig(barrier=-0.1)
+
+
+def test_a_barrier_floor_out_of_range_or_without_a_barrier_says_what_to_pass():
+    with pytest.raises(ValueError, match=r"barrier_floor.*\[0, 1\)"):
+        PPOConfig(barrier=0.02, barrier_floor=1.0)
+    with pytest.raises(ValueError, match="Set barrier"):
+        PPOConfig(barrier_floor=0.01)

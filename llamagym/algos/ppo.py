@@ -400,21 +400,27 @@ class AdaptiveKLController(FixedKLController):
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
-def log_barrier(dists: Tensor, mask: Tensor, weights: Tensor | None = None) -> Tensor:
+def log_barrier(dists: Tensor, mask: Tensor, weights: Tensor | None = None, floor: float = 0.0) -> Tensor:
     """The mean over turns (`mask` (N, 1)) of each turn's sum of log-probs over its candidates (`dists` (N, C),
     -inf = padding), times the turn's weight (`weights` (N,), None = 1): a log-barrier that keeps every candidate's
-    probability above 0.
+    probability above 0. With `floor` f > 0 each candidate counts min(ln p - ln f, 0) instead: a hinge that acts only
+    on the candidates under f, so a candidate is held near f (not pulled towards 1/C) and a turn whose candidates are
+    all above f is left alone.
 
     Its gradient on a turn's logit z_a is 1 - C p_a: every candidate the policy gives less than 1/C is pulled up by
     about 1 whether or not it was sampled, the likely ones down. Added to a policy-gradient objective with weight b, a
     candidate whose advantage is A < 0 settles where p A + b (1 - C p) = 0, p = b / (C b - A), about b / |A|: never 0,
     so a choice given up early can come back when the evidence turns (log-barrier regularisation of softmax policy
-    gradient: Agarwal et al. 2020, arXiv:1908.00261). Greedy play, the arg-max, is unchanged by it.
+    gradient: Agarwal et al. 2020, arXiv:1908.00261). Greedy play, the arg-max, is unchanged by it. With a floor the
+    gradient is [p_a < f] - C_f p_a, C_f the number of candidates under f: those pulled up by about 1, every
+    candidate pushed down by its share of them.
 
     Examples: one turn (0.5, 0.25, 0.25): ln 0.5 + 2 ln 0.25 = -3.4657; with a padded row (ln 1, -inf) beside it, the
-    mean is (-3.4657 + 0) / 2 = -1.7329; weighed 0.5 and 1, -0.8664.
+    mean is (-3.4657 + 0) / 2 = -1.7329; weighed 0.5 and 1, -0.8664. With f = 0.3 only the two 0.25s count,
+    2 ln(0.25 / 0.3) = -0.3646, and the mean -0.1823.
     """
-    total = dists.masked_fill(torch.isinf(dists), 0.0).sum(-1, keepdim=True)
+    logs = (dists - math.log(floor)).clamp(max=0.0) if floor > 0 else dists
+    total = logs.masked_fill(torch.isinf(dists), 0.0).sum(-1, keepdim=True)
     if weights is not None:
         total = total * weights.unsqueeze(-1)
     return masked_mean(total, mask)

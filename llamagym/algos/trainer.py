@@ -697,7 +697,7 @@ class PPOTrainer:
         if not self._barrier:
             return mask.new_zeros(())
         weights = None if self._turn_weights is None else self._turn_weights[part]
-        return self._barrier * ppo.log_barrier(dists, mask, weights)
+        return self._barrier * ppo.log_barrier(dists, mask, weights, self.config.barrier_floor)
 
     def _moved(self) -> None:
         """The weights changed outside an optimizer step (the trust region, the value refit): outputs cached under
