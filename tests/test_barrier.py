@@ -39,39 +39,44 @@ def test_log_barrier_pulls_each_logit_by_one_minus_c_times_its_probability():
     torch.testing.assert_close(logits.grad, torch.tensor([[-1.3610, 0.6805, 0.6805]]), atol=1e-4, rtol=0)
 
 
+def settling(lora_config, tokenizer, **ppo_overrides) -> tuple[list[torch.Tensor], list[dict]]:
+    """Input 1 of three candidates: the first pays, the second costs, the third is never chosen. Nine updates on the
+    same batch (input 1's turns: candidate 1 (-1), then candidate 0 (+1)); input 1's distribution (probabilities)
+    and the stats after each."""
+    rewards, choices = [1.0, -1.0] * 3, [0, 1] * 3
+    torch.manual_seed(0)
+    agent = trainer(lora_config, tokenizer, entropy_floor=None, **ppo_overrides)
+    seen, stats = [], []
+    for _ in range(9):
+        stats.append(agent.step(scored_episodes(rewards, choices)))
+        seen.append(distributions(agent.policy)[1].exp())
+    return seen, stats
+
+
 def test_the_barrier_keeps_the_candidates_a_settling_policy_leaves_from_sinking(lora_config, tokenizer):
-    """Input 1 of three candidates: the first pays, the second costs, the third is never chosen. As the policy
-    settles on the first, the barrier holds the others up (it pulls each candidate under 1/3 up, those above down)."""
-    rewards, choices = [1.0, -1.0] * 3, [0, 1] * 3  # input 1's turns: candidate 1 (-1), then candidate 0 (+1)
+    """As the policy of `settling` settles on the first candidate, the barrier holds the others up (it pulls each
+    candidate under 1/3 up, those above down)."""
     after = {}
     for barrier in (0.0, 0.5):
-        torch.manual_seed(0)
-        agent = trainer(lora_config, tokenizer, barrier=barrier, entropy_floor=None)
-        for _ in range(9):
-            stats = agent.step(scored_episodes(rewards, choices))
-            assert (stats["ppo/barrier"] < 0) == (barrier > 0) and math.isfinite(stats["ppo/loss"])
-        after[barrier] = distributions(agent.policy)[1].exp()
+        seen, stats = settling(lora_config, tokenizer, barrier=barrier)
+        for step in stats:
+            assert (step["ppo/barrier"] < 0) == (barrier > 0) and math.isfinite(step["ppo/loss"])
+        after[barrier] = seen[-1]
     assert float(after[0.0][0]) > 0.75 and float(after[0.5][0]) > max(after[0.5][1:])  # both settle on the first
     assert float(after[0.5][2]) > float(after[0.0][2]) + 0.05  # the one never chosen
     assert float(after[0.5][1]) > float(after[0.0][1]) + 0.02  # the one that costs, still drawn now and then
 
 
 def test_a_floored_barrier_leaves_an_open_policy_alone_and_holds_a_sinking_candidate_up(lora_config, tokenizer):
-    """The settling policy of the test above, with the barrier acting only under p 0.1: while every candidate is above
-    the floor it steps as the policy without a barrier; later the candidate that costs is held up, and the one never
-    chosen (above the floor) is not pulled towards 1/3 as the plain barrier pulls it."""
-    rewards, choices = [1.0, -1.0] * 3, [0, 1] * 3
-    after = {}
-    for barrier, floor in ((0.0, 0.0), (0.5, 0.0), (0.5, 0.1)):
-        torch.manual_seed(0)
-        agent = trainer(lora_config, tokenizer, barrier=barrier, barrier_floor=floor, entropy_floor=None)
-        for step in range(9):
-            agent.step(scored_episodes(rewards, choices))
-            if step == 2:
-                after[barrier, floor, "open"] = distributions(agent.policy)[1].exp()
-        after[barrier, floor] = distributions(agent.policy)[1].exp()
-    torch.testing.assert_close(after[0.5, 0.1, "open"], after[0.0, 0.0, "open"])
-    hinge, plain, none = after[0.5, 0.1], after[0.5, 0.0], after[0.0, 0.0]
+    """The policy of `settling`, with the barrier acting only under p 0.1: while every candidate is above the floor it
+    steps as the policy without a barrier; later the candidate that costs is held up, and the one never chosen (above
+    the floor) is not pulled towards 1/3 as the plain barrier pulls it."""
+    none, plain, hinge = (
+        settling(lora_config, tokenizer, barrier=barrier, barrier_floor=floor)[0]
+        for barrier, floor in ((0.0, 0.0), (0.5, 0.0), (0.5, 0.1))
+    )
+    torch.testing.assert_close(hinge[2], none[2])  # after 3 updates
+    hinge, plain, none = hinge[-1], plain[-1], none[-1]
     assert float(hinge[0]) > 0.7 and float(hinge[0]) > float(plain[0])  # it settles, sooner than with the plain one
     assert float(hinge[1]) > float(none[1]) + 0.03  # the one that costs, held up
     assert float(hinge[2]) < float(plain[2]) - 0.1  # the one never chosen, above the floor: left to the evidence
