@@ -74,6 +74,9 @@ class PPOConfig:
     # advantage A < 0 settles near barrier / |A| (ppo.log_barrier); 0 = off (an experiment: docs/learning-that-holds.md)
     barrier_floor: float = 0.0  # > 0: the barrier acts only on candidates under this probability (a hinge on log p),
     # so settled states keep their other candidates near it and open ones are left alone; 0 = on every candidate
+    barrier_relative: bool = False  # True: that floor is a fraction of the reference (untrained) model's probability
+    # of each candidate, so only what learning pushed down is held, not what the prior ruled out (one reference
+    # forward pass a batch)
     max_grad_norm: float = 1.0  # global gradient-norm clip (with natural_gradient: of the adapter step itself)
     cap_cut_replies: bool = True  # a generated reply cut at max_new_tokens, before its end token, never gets positive
     # credit nor is imitated (it was read before it ended: else paying rambles teach the model never to end a reply);
@@ -147,6 +150,7 @@ class PPOConfig:
                 "entropy_floor_step": positive,
                 "barrier": non_negative,
                 "barrier_floor": (lambda v: _num(v) and 0 <= v < 1, "a number in [0, 1) (0 = every candidate)"),
+                "barrier_relative": flag,
                 "max_grad_norm": positive,
                 "cap_cut_replies": flag,
                 "whiten_advantages": flag,
@@ -176,6 +180,12 @@ class PPOConfig:
             raise ValueError(
                 f"`barrier_floor={self.barrier_floor}` says under which probability the log-barrier acts, and "
                 "`barrier` is 0 (off). Set barrier (e.g. 0.02) to use it, or barrier_floor=0."
+            )
+        if self.barrier_relative and not self.barrier_floor:
+            raise ValueError(
+                "`barrier_relative=True` makes the barrier's floor a fraction of the reference model's probabilities, "
+                "and `barrier_floor` is 0. Set barrier_floor (e.g. 0.25: a candidate is held once it falls under a "
+                "quarter of where the untrained model put it), or barrier_relative=False."
             )
         if self.evidence_kl is not None and self.max_kl is None:
             raise ValueError(

@@ -27,6 +27,17 @@ def test_a_floored_barrier_counts_only_the_candidates_under_its_floor():
     assert float(ppo.log_barrier(dists, torch.ones(2, 1), floor=0.2)) == 0.0  # every candidate above it: left alone
 
 
+def test_a_relative_floor_is_a_fraction_of_the_reference_probability():
+    dists = torch.tensor([[0.5, 0.25, 0.25], [1.0, 0.0, 0.0]]).log()
+    reference = torch.tensor([[0.2, 0.2, 0.6], [1.0, 0.0, 0.0]]).log()  # floors 0.1, 0.1, 0.3: only the third under
+    assert float(ppo.log_barrier(dists, torch.ones(2, 1), floor=0.5, reference=reference)) == pytest.approx(
+        -0.0912, abs=1e-4
+    )
+    logits = dists.clone().requires_grad_(True)
+    ppo.log_barrier(logits, torch.ones(2, 1), floor=0.5, reference=reference).backward()
+    torch.testing.assert_close(logits.grad, torch.tensor([[0.0, 0.0, 0.5], [0.0, 0.0, 0.0]]))  # padding: finite, 0
+
+
 def test_a_floored_barrier_pulls_up_only_the_candidates_under_its_floor():
     logits = torch.tensor([[3.0, 1.0, -2.0]], requires_grad=True)  # p = (0.8756, 0.1185, 0.0059)
     ppo.log_barrier(torch.log_softmax(logits, -1), torch.ones(1, 1), floor=0.01).backward()
@@ -82,6 +93,19 @@ def test_a_floored_barrier_leaves_an_open_policy_alone_and_holds_a_sinking_candi
     assert float(hinge[2]) < float(plain[2]) - 0.1  # the one never chosen, above the floor: left to the evidence
 
 
+def test_a_relative_floor_waits_until_a_candidate_falls_under_its_share_of_the_reference(lora_config, tokenizer):
+    """The policy of `settling`, with the barrier acting only on candidates under a quarter of the reference (adapter
+    off) policy's probability: the first updates step as without a barrier (a fixed floor of 0.25 acts from the
+    first, where a candidate starts under 0.25), and once the candidate that costs has fallen that far it is held up."""
+    none = settling(lora_config, tokenizer)[0]
+    seen, stats = settling(lora_config, tokenizer, barrier=0.5, barrier_floor=0.25, barrier_relative=True)
+    fixed = settling(lora_config, tokenizer, barrier=0.5, barrier_floor=0.25)[1]
+    assert fixed[0]["ppo/barrier"] < 0 and [step["ppo/barrier"] for step in stats[:4]] == [0.0] * 4
+    torch.testing.assert_close(seen[3], none[3])
+    assert stats[-1]["ppo/barrier"] < 0 and float(seen[-1][0]) > 0.75  # it acts, and the policy still settles
+    assert float(seen[-1][1]) > float(none[-1][1]) + 0.01  # the one that costs, held up
+
+
 def test_a_batch_of_equal_returns_takes_no_barrier_step(lora_config, tokenizer):
     torch.manual_seed(0)
     agent = trainer(lora_config, tokenizer, barrier=0.5, entropy_floor=None)
@@ -115,3 +139,5 @@ def test_a_barrier_floor_out_of_range_or_without_a_barrier_says_what_to_pass():
         PPOConfig(barrier=0.02, barrier_floor=1.0)
     with pytest.raises(ValueError, match="Set barrier"):
         PPOConfig(barrier_floor=0.01)
+    with pytest.raises(ValueError, match="Set barrier_floor"):
+        PPOConfig(barrier=0.02, barrier_relative=True)

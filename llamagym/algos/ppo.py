@@ -400,12 +400,20 @@ class AdaptiveKLController(FixedKLController):
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
-def log_barrier(dists: Tensor, mask: Tensor, weights: Tensor | None = None, floor: float = 0.0) -> Tensor:
+def log_barrier(
+    dists: Tensor,
+    mask: Tensor,
+    weights: Tensor | None = None,
+    floor: float = 0.0,
+    reference: Tensor | None = None,
+) -> Tensor:
     """The mean over turns (`mask` (N, 1)) of each turn's sum of log-probs over its candidates (`dists` (N, C),
     -inf = padding), times the turn's weight (`weights` (N,), None = 1): a log-barrier that keeps every candidate's
     probability above 0. With `floor` f > 0 each candidate counts min(ln p - ln f, 0) instead: a hinge that acts only
     on the candidates under f, so a candidate is held near f (not pulled towards 1/C) and a turn whose candidates are
-    all above f is left alone.
+    all above f is left alone. With `reference` (N, C), another policy's log-probs of the same candidates (the
+    untrained model's), the floor is f times that policy's probability: min(ln p - ln f - ln p_ref, 0), so a
+    candidate is held only once it has fallen under f times where that policy put it.
 
     Its gradient on a turn's logit z_a is 1 - C p_a: every candidate the policy gives less than 1/C is pulled up by
     about 1 whether or not it was sampled, the likely ones down. Added to a policy-gradient objective with weight b, a
@@ -417,10 +425,16 @@ def log_barrier(dists: Tensor, mask: Tensor, weights: Tensor | None = None, floo
 
     Examples: one turn (0.5, 0.25, 0.25): ln 0.5 + 2 ln 0.25 = -3.4657; with a padded row (ln 1, -inf) beside it, the
     mean is (-3.4657 + 0) / 2 = -1.7329; weighed 0.5 and 1, -0.8664. With f = 0.3 only the two 0.25s count,
-    2 ln(0.25 / 0.3) = -0.3646, and the mean -0.1823.
+    2 ln(0.25 / 0.3) = -0.3646, and the mean -0.1823. With f = 0.5 relative to a reference (0.2, 0.2, 0.6): only the
+    third is under its floor 0.3, ln(0.25 / 0.3) = -0.1823, and the mean -0.0912.
     """
-    logs = (dists - math.log(floor)).clamp(max=0.0) if floor > 0 else dists
-    total = logs.masked_fill(torch.isinf(dists), 0.0).sum(-1, keepdim=True)
+    padding = torch.isinf(dists)
+    if floor > 0:
+        floors = math.log(floor) if reference is None else reference.masked_fill(padding, 0.0) + math.log(floor)
+        logs = (dists - floors).clamp(max=0.0)
+    else:
+        logs = dists
+    total = logs.masked_fill(padding, 0.0).sum(-1, keepdim=True)
     if weights is not None:
         total = total * weights.unsqueeze(-1)
     return masked_mean(total, mask)

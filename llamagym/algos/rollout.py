@@ -90,6 +90,7 @@ class UpdateBatch(NamedTuple):
     old_logprobs: torch.Tensor | None = None  # (N, T) the batch's policy's log-probs of the actions
     old_values: torch.Tensor | None = None  # (N,) its values
     old_dists: torch.Tensor | None = None  # (N, C) its log-probs of every candidate (scoring; else None)
+    ref_dists: torch.Tensor | None = None  # (N, C) the reference policy's, when the barrier's floor is relative to them
     advantages: torch.Tensor | None = None  # (N,)
     returns: torch.Tensor | None = None  # (N,)
 

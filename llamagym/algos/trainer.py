@@ -185,11 +185,13 @@ class PPOTrainer:
         if keep:
             recalled = mode.recall(acted(mode), turns, batch)
         old_logprobs, old_values, old_dists, features = self._score(data, plans[0], reference=False, recalled=recalled)
-        if self.kl_controller.value == 0 and not cfg.adaptive_kl:
+        ref_dists = None  # the reference's candidate distributions: only a relative barrier floor needs them
+        relative = bool(cfg.barrier and cfg.barrier_relative and old_dists is not None)
+        if self.kl_controller.value == 0 and not cfg.adaptive_kl and not relative:
             ref_logprobs = old_logprobs  # the KL term is off: skip the reference forward pass
         else:
             with self.policy.reference():
-                ref_logprobs = self._score(data, plans[0], reference=True)[0]
+                ref_logprobs, _, ref_dists, _ = self._score(data, plans[0], reference=True)
 
         if self.freed_memory is not None:  # what acting and scoring freed goes back before the steps mark theirs
             self.freed_memory.release()
@@ -252,6 +254,7 @@ class PPOTrainer:
             old_logprobs=old_logprobs,
             old_values=old_values,
             old_dists=old_dists,
+            ref_dists=ref_dists if relative else None,
             advantages=local,
             returns=returns[mine],
         )
@@ -570,7 +573,7 @@ class PPOTrainer:
                 values, data.old_values[part], data.returns[part], torch.ones_like(values), cfg.vf_clip_coef
             )
             bonus = self._entropy_bonus_term(entropy, part, part_mask)
-            barrier = self._barrier_term(dists, part, part_mask)
+            barrier = self._barrier_term(data, dists, part, part_mask)
             entropy = ppo.masked_mean(entropy, part_mask)
             approx_kl = ppo.approx_kl(logprobs, old, part_mask)
             # a per-reply aggregation is a mean over rows: its micro-batch weighs by its share of the rows
@@ -633,7 +636,7 @@ class PPOTrainer:
             if self._entropy_weights is not None:
                 objective = objective + self._entropy_bonus_term(now.entropy, part, part_mask)
             if self._barrier:
-                objective = objective + self._barrier_term(now.dists, part, part_mask)
+                objective = objective + self._barrier_term(data, now.dists, part, part_mask)
             objective_after += float(objective * part_mask.sum() / tokens)
         kl = torch.cat(kls)
         if keep:
@@ -690,14 +693,18 @@ class PPOTrainer:
             return entropy.new_zeros(())
         return ppo.masked_mean(entropy * self._entropy_weights[part].unsqueeze(-1), mask)
 
-    def _barrier_term(self, dists: torch.Tensor | None, part: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _barrier_term(
+        self, data: UpdateBatch, dists: torch.Tensor | None, part: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         """Rows `part`'s log-barrier (`ppo.log_barrier`) times this update's weight, each turn weighed as its
         advantage is (`repeated_input_power`), so that the barrier and the evidence of a frequent state shrink
-        together (0 when this update has none)."""
+        together, its floor relative to the reference's distributions where `barrier_relative` asks (0 when this
+        update has none)."""
         if not self._barrier:
             return mask.new_zeros(())
         weights = None if self._turn_weights is None else self._turn_weights[part]
-        return self._barrier * ppo.log_barrier(dists, mask, weights, self.config.barrier_floor)
+        reference = None if data.ref_dists is None else data.ref_dists[part, : dists.shape[1]]
+        return self._barrier * ppo.log_barrier(dists, mask, weights, self.config.barrier_floor, reference)
 
     def _moved(self) -> None:
         """The weights changed outside an optimizer step (the trust region, the value refit): outputs cached under
