@@ -1,5 +1,5 @@
-"""The GPU path on one CUDA device: bf16 updates, CPU-equal generation and scoring, 4-bit QLoRA, checkpointing, and
-two suite games trained through the user's loop in both action modes.
+"""The GPU path on one CUDA device: bf16 updates, CPU-equal generation, scoring and log-barrier, 4-bit QLoRA,
+checkpointing, and two suite games trained through the user's loop in both action modes.
 
 Every test here skips without CUDA (CI has none); run them on a GPU machine with `pytest tests/test_gpu.py`. The
 4-bit test also needs bitsandbytes (`pip install -r requirements/linux.txt`). Models are the tiny random Llama,
@@ -33,9 +33,9 @@ def policy_on(device: str, tokenizer, lora_config, precision: str = "fp32", **op
     return Policy(build_tiny_model(tokenizer, seed=0).to(device), lora_config, precision=precision, **options)
 
 
-def trained(policy: Policy, tokenizer, scored: bool, updates: int = 1) -> dict:
+def trained(policy: Policy, tokenizer, scored: bool, updates: int = 1, config: PPOConfig | None = None) -> dict:
     """The update's stats, after `updates` fixed-seed updates."""
-    trainer = PPOTrainer(policy, PPOConfig(seed=0), tokenizer.pad_token_id)
+    trainer = PPOTrainer(policy, config or PPOConfig(seed=0), tokenizer.pad_token_id)
     for seed in range(updates):
         stats = trainer.step(episodes(scored, seed=seed))
     return stats
@@ -52,6 +52,18 @@ def test_a_bf16_update_on_cuda_is_finite_and_moves_only_lora_and_the_value_head(
     moved = {name for name, p in policy.named_parameters() if not torch.equal(p, before[name])}
     assert moved and all("lora_" in name or name.startswith("value_head.") for name in moved)
     assert any("lora_" in name for name in moved)
+
+
+def test_a_barrier_relative_to_the_reference_updates_on_cuda_as_on_the_cpu(tokenizer, lora_config):
+    """The hinge's floor is a share of the reference's (adapter-off) probabilities, scored under `policy.reference()`
+    beside the policy's own: both on the policy's device, and the update the CPU's."""
+    config = PPOConfig(seed=0, barrier=0.5, barrier_floor=0.99, barrier_relative=True)
+    stats = {}
+    for device in ("cpu", "cuda"):
+        stats[device] = trained(policy_on(device, tokenizer, lora_config), tokenizer, True, config=config)
+    assert stats["cuda"]["ppo/barrier"] != 0  # the fixture's adapter starts away from the reference: the hinge acts
+    for key in ("ppo/barrier", "ppo/surrogate", "ppo/value_loss"):
+        assert stats["cuda"][key] == pytest.approx(stats["cpu"][key], rel=1e-3, abs=1e-6), key
 
 
 def test_batched_scoring_on_cuda_matches_the_cpu(tokenizer, lora_config):
