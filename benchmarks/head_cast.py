@@ -1,14 +1,16 @@
-"""The LM head's kept bf16 cast (`llamagym/models/head_cast.py`) against autocast casting it at every call.
+"""Frozen weights' kept bf16 casts (`llamagym/models/head_cast.py`) against autocast casting them at every call.
 
-Guess-the-number in generate mode, 16 envs: the prompt batches of the first sampled steps, each chosen sampled
-(seeded alike, so both sides decode the same replies), greedy, and by scoring the 16 guesses (scoring mode), with the
-cast kept and without, alternating; then PPO updates on one batch of episodes, alternating too (the adapter moves on
-between them: the same shapes, not the same weights). It prints the median seconds of each and their ratio: compare
-the ratios of one run. The policy runs in bf16 only where the CPU has native bf16 (`python -m llamagym doctor`); in
-fp32 nothing is cast and the two sides are the same code.
+`--casts head` (the default) toggles the LM head's cast, kept for the policy's life; `--casts frozen` toggles the other
+frozen layers' casts, kept for each `generate` call (`Policy.keep_casts`). Guess-the-number in generate mode, 16 envs:
+the prompt batches of the first sampled steps, each chosen sampled (seeded alike, so both sides decode the same
+replies), greedy, and by scoring the 16 guesses (scoring mode), with the casts kept and without, alternating; then
+PPO updates on one batch of episodes, alternating too (the adapter moves on between them: the same shapes, not the
+same weights). It prints the median seconds of each and their ratio: compare the ratios of one run. The policy runs
+in bf16 only where the CPU has native bf16 (`python -m llamagym doctor`); in fp32 nothing is cast and the two sides
+are the same code.
 
 Quick check (tiny model, seconds):  python benchmarks/head_cast.py --quick
-Full benchmark (quiet machine):     python benchmarks/head_cast.py
+Full benchmark (quiet machine):     python benchmarks/head_cast.py [--casts frozen]
 """
 
 import argparse
@@ -34,6 +36,7 @@ def parse_args():
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per batch and side")
     parser.add_argument("--updates", type=int, default=2, help="timed updates per side")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--casts", choices=("head", "frozen"), default="head", help="which kept casts to toggle")
     parser.add_argument("--quick", action="store_true", help="tiny random model, 1 step, 1 repeat, 1 update")
     args = parser.parse_args()
     if args.quick:
@@ -41,17 +44,17 @@ def parse_args():
     return args
 
 
-def alternate(kept, call, repeats: int) -> tuple[float, float]:
-    """Median seconds of `call()` without and with the kept cast (`kept`, the head's `KeptCast`: its module's
-    forward is the module's own, or it), `repeats` times each, alternating."""
+def alternate(switch, call, repeats: int) -> tuple[float, float]:
+    """Median seconds of `call()` without and with the kept casts (`switch(on)` turns them off or on), `repeats`
+    times each, alternating."""
     seconds = {False: [], True: []}
     for _ in range(repeats):
         for on in (False, True):
-            kept.module.forward = kept if on else kept.forward
+            switch(on)
             start = time.perf_counter()
             call()
             seconds[on].append(time.perf_counter() - start)
-    kept.module.forward = kept
+    switch(True)
     return statistics.median(seconds[False]), statistics.median(seconds[True])
 
 
@@ -64,7 +67,17 @@ def main():
     config = PPOConfig(seed=0)
     agent = make_agent(game, model, tokenizer, envs[0].action_space, "generate", PPOConfig(seed=0, batch_size=10**6))
     kept = keep_head_cast(agent.policy.causal_lm())  # the one the policy installed
-    print(f"CPU: {cpu_model()}, {args.threads} threads; model {args.model}; policy in {agent.policy.precision}")
+
+    def switch(on: bool) -> None:
+        if args.casts == "head":
+            kept.module.forward = kept if on else kept.forward
+        else:
+            agent.policy.keep_casts = on
+
+    print(
+        f"CPU: {cpu_model()}, {args.threads} threads; model {args.model}; policy in {agent.policy.precision}; "
+        f"toggling the {args.casts} casts"
+    )
     batches, original = [], MODES["generate"].choose
 
     def recording(actor, prompts, candidates=None, greedy=False):
@@ -96,7 +109,7 @@ def main():
 
         plain, with_kept = [], []
         for prompts in batches[: args.steps]:
-            a, b = alternate(kept, lambda prompts=prompts: choose(prompts), args.repeats)
+            a, b = alternate(switch, lambda prompts=prompts: choose(prompts), args.repeats)
             plain.append(a)
             with_kept.append(b)
         a, b = statistics.median(plain), statistics.median(with_kept)
@@ -105,7 +118,7 @@ def main():
     episodes = list(agent.batch)
     agent.trainer.step(copy.deepcopy(episodes))  # warm-up
     turns = sum(len(e.turns) for e in episodes)
-    a, b = alternate(kept, lambda: agent.trainer.step(copy.deepcopy(episodes)), args.updates)
+    a, b = alternate(switch, lambda: agent.trainer.step(copy.deepcopy(episodes)), args.updates)
     print(f"| PPO update, {len(episodes)} episodes, {turns} turns | {a:.2f} | {b:.2f} | {a / b:.2f}x |")
 
 

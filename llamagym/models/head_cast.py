@@ -1,17 +1,22 @@
-"""The LM head's bf16 weight, cast once instead of on every forward under bf16 autocast.
+"""Frozen weights' bf16 casts, kept instead of made again on every forward under bf16 autocast.
 
 Autocast keeps the casts it makes only of weights that require grad; a frozen weight is cast again on every call.
-The LM head of a small model is the largest frozen matrix it has (SmolLM2-135M: 49152 x 576, a fifth of the
-model), and a decoding step multiplies it by one row per reply: on a 2-core CPU with AVX512-BF16 the cast took
-most of the head's time (16 rows: 26 ms against 5.6 ms with the weight already in bf16), and with the cast kept
-sampled acting ran 1.37x faster (`benchmarks/head_cast.py`). Kept, the bf16 copy gives exactly the numbers autocast's
-cast gives (the same rounding of the same weight) and costs its memory once (56 MB there), where autocast allocated
-it at every call. Only the head: keeping the casts of every other frozen linear layer too, during a `generate` call
-only (their bf16 copies, 212 MB there, given back after it), made sampled acting 1.02x faster on that CPU (their
-matrices are small and the products' own time dominates), not worth the memory.
+Kept, a bf16 copy gives exactly the numbers autocast's cast gives (the same rounding of the same weight) and costs
+its memory once where autocast allocated it at every call. Two uses:
+- The LM head, kept for the policy's life (`keep_head_cast`): a small model's largest frozen matrix (SmolLM2-135M:
+  49152 x 576, a fifth of the model), multiplied by one row per reply at every decoding step. On a 2-core CPU with
+  AVX512-BF16 the cast took most of the head's time (16 rows: 26 ms against 5.6 ms with the weight already in bf16),
+  and with it kept sampled acting ran 1.37x faster (`benchmarks/head_cast.py`, AMD Zen 4).
+- Every other frozen linear layer, kept for one `generate` call and given back after it (`casts_kept`; 212 MB on
+  SmolLM2-135M). Where bf16 products are fast their casts are most of a decoding step: sampled acting ran 1.35x faster
+  on an Intel Xeon with AMX (sixty-seventh session), 1.02x on Zen 4, whose half-width bf16 units leave the products'
+  own time dominant. An update's peak memory, not acting's, sets a run's, so holding them while decoding is free.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -57,3 +62,22 @@ def keep_head_cast(model: nn.Module) -> KeptCast | None:
         return head.forward
     head.forward = KeptCast(head)
     return head.forward
+
+
+@contextmanager
+def casts_kept(model: nn.Module) -> Iterator[None]:
+    """Inside, every frozen plain `nn.Linear` of `model` keeps its bf16 cast under bf16 autocast (`KeptCast`); on exit
+    their own forwards come back and the copies go. Layers that already keep theirs (the head) are left alone."""
+    kept = [m for m in model.modules() if type(m) is nn.Linear and not m.weight.requires_grad]
+    kept = [m for m in kept if not isinstance(m.forward, KeptCast)]
+    own = [m.__dict__.get("forward") for m in kept]  # an instance forward set by someone else (a hook) goes back too
+    for module in kept:
+        module.forward = KeptCast(module)
+    try:
+        yield
+    finally:
+        for module, forward in zip(kept, own, strict=True):
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward

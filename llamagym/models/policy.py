@@ -35,7 +35,7 @@ from ..algos.rollout import ScoreBatch, left_pad
 from . import checkpointing
 from .devices import resolve_precision
 from .frozen_cache import FrozenLayerCache, frozen_prefix_layers, probe
-from .head_cast import keep_head_cast
+from .head_cast import casts_kept, keep_head_cast
 from .host_memory import bound_onednn_cache
 from .prefill import Prefilled, prefill
 from .registry import GENERIC_SPEC, ModelSpec
@@ -184,6 +184,7 @@ class Policy(nn.Module):
         self.temperature = 1.0  # sampling temperature; log-probs are scored under the same one
         self.version = 0  # bumped whenever the weights change (optimizer step, load): outputs cached by it go stale
         self.sharded = False  # frozen weights sharded over the ranks (FSDP): every forward is then a collective
+        self.keep_casts = True  # `generate` keeps the frozen layers' bf16 casts for the call (`head_cast.casts_kept`)
         self.eval()  # dropout stays off: old, reference and new log-probs come from one computation path
 
     # ---- structure -------------------------------------------------------------------------------------------
@@ -365,11 +366,15 @@ class Policy(nn.Module):
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **generation_kwargs) -> torch.Tensor:
         """Sample continuations of left-padded prompts with the current policy; returns (B, L + new).
 
+        In bf16 the frozen layers' casts are made once for the call (`head_cast.casts_kept`), not at every step.
         Sharded (FSDP), every rank runs as many forwards as the rank with the longest replies (`synced_gpus`).
         """
         if self.sharded:
             generation_kwargs.setdefault("synced_gpus", True)
-        with self.autocast():
+        # every decoding step would cast each frozen weight again; a sharded unit's weight is gathered per forward
+        keep = self.keep_casts and self.precision == "bf16" and not self.sharded
+        kept = casts_kept(self.model) if keep else contextlib.nullcontext()
+        with self.autocast(), kept:
             return self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **generation_kwargs)
 
     def prefill(self, prompts: list[list[int]], pad_token_id: int) -> Prefilled:
