@@ -2,6 +2,7 @@
 
 import importlib.metadata
 import math
+import os
 import re
 import subprocess
 import sys
@@ -55,12 +56,20 @@ def test_doctor_names_the_precision_the_cpu_runs(monkeypatch):
 
 def test_matmul_gflops_times_a_product_in_the_policys_precision(monkeypatch):
     import llamagym.models.devices as devices
+    from llamagym.models import host_memory
 
-    assert math.isfinite(devices.matmul_gflops("fp32", size=32, repeats=3)) and devices.matmul_gflops(size=8) > 0
+    environ = {k: v for k, v in os.environ.items() if k not in host_memory.ONEDNN_CACHE_VARIABLES}
+    monkeypatch.setattr(os, "environ", environ)
+    assert math.isfinite(devices.matmul_gflops("fp32", size=32, repeats=3))
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in environ  # fp32 products keep no such cache
     used = []
-    monkeypatch.setattr(devices.torch, "mm", lambda a, b: used.append(a.dtype))
+    monkeypatch.setattr(
+        devices.torch, "mm", lambda a, b: used.append((a.dtype, environ.get(host_memory.ONEDNN_CACHE_VARIABLES[0])))
+    )
     devices.matmul_gflops("bf16", size=4, repeats=2)
-    assert used == [torch.bfloat16] * 3  # one untimed, then `repeats`
+    # one untimed, then `repeats`; oneDNN's cache bounded before the first, as a policy bounds it (read only then)
+    assert used == [(torch.bfloat16, str(host_memory.ONEDNN_CACHE_CAPACITY))] * 3
+    assert devices.matmul_gflops(size=8) > 0
     for bad in ({"size": 0}, {"repeats": 1.5}, {"precision": "fp16"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             devices.matmul_gflops(**bad)

@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from .host_memory import bound_onednn_cache
+
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = {
     "float32": torch.float32,
@@ -99,7 +101,9 @@ def matmul_gflops(precision: str = "auto", size: int = 1024, repeats: int = 5) -
     machines far apart (a 2048-cube fp32 product ran at 36 GFLOP/s on an "AMD EPYC" of CPU family 23, 70-97 on ones
     of family 25; this function's 1024-cube one at 43 on the first), so a time or a learning curve measured on a CPU
     is read beside this figure. It takes about 0.1-0.5 s at the default size. Run it in the process that trains, not in
-    a parent that forks them (multiprocessing's "fork"): its threads would hang the forked child in OpenMP.
+    a parent that forks them (multiprocessing's "fork"): its threads would hang the forked child in OpenMP. In bf16 it
+    first bounds oneDNN's primitive cache as a policy would (`host_memory.bound_onednn_cache`): oneDNN reads the bound
+    at the process's first bf16 product, and a later policy's could not take effect.
 
     Raises:
         ValueError: `size` or `repeats` is not an integer >= 1, or `precision` is not one of "auto", "fp32", "bf16".
@@ -108,6 +112,8 @@ def matmul_gflops(precision: str = "auto", size: int = 1024, repeats: int = 5) -
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"`{name}` should be an integer >= 1. Received {value!r}.")
     dtype = torch.bfloat16 if resolve_precision(precision, torch.device("cpu")) == "bf16" else torch.float32
+    if dtype == torch.bfloat16:  # oneDNN reads its cache's bound at its first product: a policy built later can't
+        bound_onednn_cache()
     generator = torch.Generator().manual_seed(0)
     a, b = (torch.randn(size, size, generator=generator).to(dtype) for _ in range(2))
     seconds = []
