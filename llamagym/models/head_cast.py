@@ -8,9 +8,10 @@ its memory once where autocast allocated it at every call. Two uses:
   AVX512-BF16 the cast took most of the head's time (16 rows: 26 ms against 5.6 ms with the weight already in bf16),
   and with it kept sampled acting ran 1.37x faster (`benchmarks/head_cast.py`, AMD Zen 4).
 - Every other frozen linear layer, kept for one `generate` call and given back after it (`casts_kept`; 212 MB on
-  SmolLM2-135M). Where bf16 products are fast their casts are most of a decoding step: sampled acting ran 1.35x faster
-  on an Intel Xeon with AMX (sixty-seventh session), 1.02x on Zen 4, whose half-width bf16 units leave the products'
-  own time dominant. An update's peak memory, not acting's, sets a run's, so holding them while decoding is free.
+  SmolLM2-135M). Where bf16 products are fast their casts are most of a decoding step: sampled acting ran 1.33x faster
+  on an Intel Xeon with AMX (`--casts frozen`, sixty-seventh session), 1.02x on Zen 4, whose half-width bf16 units
+  leave the products' own time dominant. An update, not acting, sets a run's peak memory: on that Xeon a
+  guess-the-number run's generate calls peaked at 2.01 GiB with the copies, its updates at 2.50.
 """
 
 from __future__ import annotations
