@@ -16,7 +16,7 @@ import statistics
 import time
 
 import torch
-from generate_prefill import prompt_batches  # beside this file
+from generate_prefill import acting_args, prompt_batches  # beside this file
 from learning_suite import cpu_model
 
 from llamagym import load_model_and_tokenizer
@@ -25,17 +25,9 @@ from llamagym.envs import suite
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--envs", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=3, help="prompt batches (one per env step)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed calls per batch and side")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="tiny random model, 1 step, 1 repeat")
-    args = parser.parse_args()
-    if args.quick:
-        args.model, args.steps, args.repeats = "tiny-random", 1, 1
-    return args
+    return acting_args(
+        argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    )
 
 
 def seconds_per_step(actor, prompts, ours: bool) -> float:
