@@ -69,8 +69,11 @@ def keep_head_cast(model: nn.Module) -> KeptCast | None:
 def casts_kept(model: nn.Module) -> Iterator[None]:
     """Inside, every frozen plain `nn.Linear` of `model` keeps its bf16 cast under bf16 autocast (`KeptCast`); on exit
     their own forwards come back and the copies go. Layers that already keep theirs (the head) are left alone."""
-    kept = [m for m in model.modules() if type(m) is nn.Linear and not m.weight.requires_grad]
-    kept = [m for m in kept if not isinstance(m.forward, KeptCast)]
+    kept = [
+        m
+        for m in model.modules()
+        if type(m) is nn.Linear and not m.weight.requires_grad and not isinstance(m.forward, KeptCast)
+    ]
     own = [m.__dict__.get("forward") for m in kept]  # an instance forward set by someone else (a hook) goes back too
     for module in kept:
         module.forward = KeptCast(module)
