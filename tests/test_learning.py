@@ -1,7 +1,9 @@
 """Reward goes up: PPO on the tiny model learns a bandit, and credit flows back across turns.
 
-"Action 1" is a reply that starts with an ASCII letter (about 21% of the tiny model's first tokens at the start),
-any other reply is action 0. Each test takes a few seconds on one core. The bandit and the credit test run with
+"Action 1" is a reply that starts with an ASCII letter, any other reply is action 0. The untrained model's chance of
+action 1 depends on the prompt (0.21 after "go", 0.36 after "first"): each test computes it exactly from the first
+token's sampling distribution and asks for a rise well above it. Updates are the library's default for LoRA (one
+natural step on the whole batch). Each test takes a few seconds on one core. The bandit and the credit test run with
 every advantage estimator: all episodes start from the same observation, so a batch is one group for grpo, rloo and
 gigpo (the default grouping by first prompt).
 """
@@ -31,12 +33,10 @@ class LetterAgent(Agent):
 
 
 def bandit_config(advantage="gae") -> PPOConfig:
-    """One whole-batch minibatch of BATCH episodes (however short), 4 epochs, no KL penalty."""
+    """Batches of BATCH episodes (however short), the default step (one natural step on the whole batch), no KL."""
     return PPOConfig(
         batch_size=BATCH,
         min_batch_turns=0,
-        mini_batch_size=BATCH,
-        ppo_epochs=4,
         learning_rate=1e-2,
         kl_coef=0.0,
         adaptive_kl=False,
@@ -69,10 +69,22 @@ def run(agent, episode_fn):
     return curve
 
 
-def assert_learned(curve):
-    chance, last = curve[0], sum(curve[-5:]) / 5  # the first batch is played before any update
-    assert chance < 0.4, "the task should start near chance (about 0.21)"
-    assert last > 0.6 and last > chance + 0.3
+def chance_of_action_1(agent, observation) -> float:
+    """The untrained agent's exact chance of action 1 at `observation`: its first token's sampling distribution
+    (softmax of the logits / temperature), summed over the tokens whose text `extract_action` reads as 1."""
+    ids, _ = agent.formatter.prompt_ids(agent.get_system_prompt(), [{"role": "user", "content": observation}])
+    with torch.no_grad():
+        logits = agent.policy.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+    probs = torch.softmax(logits / agent.generation["temperature"], dim=-1)
+    decode = agent.tokenizer.decode
+    ones = [t for t in range(len(probs)) if agent.extract_action(decode([t], skip_special_tokens=True)) == 1]
+    return float(probs[ones].sum())
+
+
+def assert_learned(curve, chance):
+    last = sum(curve[-5:]) / 5
+    assert chance < 0.4, f"the task should start far from solved (chance {chance:.2f})"
+    assert last > 0.6 and last > chance + 0.3, f"last five batches {last:.2f}, chance {chance:.2f}"
 
 
 @pytest.mark.parametrize("advantage", ESTIMATORS)
@@ -82,7 +94,9 @@ def test_one_step_bandit_reward_rises_well_above_chance(advantage):
         agent.assign_reward(reward)
         return reward
 
-    assert_learned(run(make_agent(advantage=advantage), episode))
+    agent = make_agent(advantage=advantage)
+    chance = chance_of_action_1(agent, "go")
+    assert_learned(run(agent, episode), chance)
 
 
 @pytest.mark.parametrize("advantage", ESTIMATORS)
@@ -94,7 +108,9 @@ def test_final_reward_teaches_the_first_turns_choice(advantage):
         agent.assign_reward(float(first == 1))
         return float(first == 1)
 
-    assert_learned(run(make_agent(advantage=advantage), episode))
+    agent = make_agent(advantage=advantage)
+    chance = chance_of_action_1(agent, "first")
+    assert_learned(run(agent, episode), chance)
 
 
 class NamedAgent(LetterAgent):
