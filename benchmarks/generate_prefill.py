@@ -23,9 +23,8 @@ from llamagym.envs import suite
 from llamagym.models.prefill import shared_prefix
 
 
-def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--games", default="guess_number,tictactoe", help="comma-separated suite games")
+def acting_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """`parser`'s arguments, with the flags of a benchmark that times acting on prompt batches (`prompt_batches`)."""
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--envs", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3, help="prompt batches per game (one per env step)")
@@ -36,6 +35,12 @@ def parse_args():
     if args.quick:
         args.model, args.steps, args.repeats = "tiny-random", 1, 1
     return args
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--games", default="guess_number,tictactoe", help="comma-separated suite games")
+    return acting_args(parser)
 
 
 def prompt_batches(game, model, tokenizer, args) -> tuple:

@@ -5,8 +5,10 @@ scoring candidates that differ by observation with the top layer alone adapted (
 not the prefix reuse). Each plays five sampled steps over three envs (one slot idle once, episodes ending at
 different times, the weights changed once in between so the score cache must be refilled), one greedy step, and a
 `predict`. The record is every action, reply and stored turn, and the padded tensors the turns collate to; the
-golden digests were computed on the tree before choosing moved into the action modes. Outputs are exact: the only
-floats involved are the tiny model's, and a sample flips only if a draw lands within a rounding error of a boundary.
+golden digests were computed on the tree before choosing moved into the action modes, the sampled generate cases'
+again when generate mode's draw replaced `torch.multinomial` (another random stream; the greedy steps unchanged).
+Outputs are exact: the only floats involved are the tiny model's, and a sample flips only if a draw lands within a
+rounding error of a boundary.
 """
 
 import hashlib
@@ -113,16 +115,16 @@ def play(case: str, tokenizer, lora_config) -> dict:
 
 GOLDEN = {
     "generate": {
-        "actions": [[2, 2, 2], [2, 1, 2], [2, 0, 2], [2, 2, 2], [2, 2, 2], [1, 2, 2], [2, 2, 2, 2]],
-        "replies": "d56b6f43c10fd32f",
-        "turns": "b9c269e538bce63b",
-        "tensors": "b88bb3bfabbfa185",
+        "actions": [[1, 1, 1], [0, 2, 2], [1, 0, 2], [2, 2, 2], [1, 2, 2], [1, 2, 2], [2, 2, 2, 2]],
+        "replies": "9a470c02a4919426",
+        "turns": "e79be4101460ac3a",
+        "tensors": "99d55e6fe707a1f4",
     },
     "auto-generate": {
         "actions": [[0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0, 0]],
-        "replies": "bb37cc96136390fa",
-        "turns": "6e6f895e8a3599bf",
-        "tensors": "a46bf639f626d480",
+        "replies": "6e6cbbbf7b1f36fa",
+        "turns": "5a24872feeb9d590",
+        "tensors": "d8ec7a42a4decd9a",
     },
     "score-named": {
         "actions": [[0, 2, 0], [2, 2, 0], [0, 0, 2], [1, 2, 1], [2, 1, 1], [1, 1, 1], [1, 1, 1, 1]],
