@@ -248,7 +248,8 @@ def test_predict_scores_in_float32_and_never_reuses_scores_cached_under_bf16(mod
 
 
 def test_predict_acts_greedily_from_a_fresh_context_and_records_nothing(model, tokenizer, lora_config):
-    agent = make_agent(model, tokenizer, lora_config)
+    # fp32: in bf16 a batch of two (padded) and a single row may round a near-tie apart, as some random adapters do
+    agent = make_agent(model, tokenizer, lora_config, precision="fp32")
     predicted = agent.predict([0, 1])
     assert agent.episode.turns == [] and agent.history == []
     with agent.evaluating():
