@@ -109,7 +109,8 @@ class PPOConfig:
     average_updates: int = 3  # greedy acting uses the adapter's average over about this many updates, at most the
     # latest quarter of those so far (Polyak; llamagym.algos.averaging); sampling and training keep the current
     # weights; 0 = the current weights
-    anneal_updates: int = 0  # adapter step (learning_rate, natural_step) falls linearly to 0 over N updates; 0 = off
+    anneal_updates: int = 0  # adapter step (learning_rate, natural_step) falls linearly to 0 over N updates, and the
+    # trust region's max_kl with it, as the step squared (the region would otherwise size each step back up); 0 = off
     seed: int = 0  # seed of the minibatch shuffles and replay sampling
     max_skipped_steps: int = 10  # optimizer steps skipped in a row (non-finite loss/gradient) before the run stops
 

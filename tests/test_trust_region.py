@@ -299,6 +299,21 @@ def test_trust_region_keeps_each_update_within_max_kl_of_the_old_policy(model, l
     assert stats["trust/kl_max"] >= stats["trust/kl"]
 
 
+def test_an_annealed_step_shrinks_under_the_trust_region_too(model, lora_config, tokenizer):
+    # the region sizes each step to its bound (next_start doubles a short step's start), so a rate annealed alone was
+    # sized back up to the bound; annealing the bound as the step squared makes the step fall as the schedule says
+    rewards = [1.0, -1.0, 0.5, -0.5, 1.0, -1.0]
+    settings = {"natural_step": 8.0, "max_grad_norm": 100.0, "max_kl": 0.01, "history": [rewards] * 3}
+    moved = {}
+    for anneal in (0, 4):
+        torch.manual_seed(0)  # the same adapter's random start for both
+        moved[anneal], stats = update_kl(model, lora_config, tokenizer, rewards, anneal_updates=anneal, **settings)
+    assert moved[4] <= 0.01 * 0.25**2 + 1e-6  # sized back up to the bound, it moved 0.0045 (measured)
+    assert moved[0] > 0.005  # the same update at full step: its bound binds well above the annealed one
+    assert stats["ppo/step_scale"] == 0.25 and stats["trust/bound"] == pytest.approx(0.01 * 0.25**2)
+    assert stats["trust/kl"] <= stats["trust/bound"]
+
+
 def test_forwards_without_gradient_take_more_inputs_within_the_head_row_budget(lora_config, tokenizer, monkeypatch):
     monkeypatch.setattr(trainer_module, "SCORE_TOKENS", 1024)
     trainer = fresh_trainer(lora_config, tokenizer, PPOConfig(micro_batch_size=2))

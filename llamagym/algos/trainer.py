@@ -265,8 +265,10 @@ class PPOTrainer:
         if data.old_dists is not None and (asked or not distributed.is_distributed()):
             spread["adv/evidence"] = self._evidence(data, scored, mine)
             if region is not None and asked:
-                region.max_kl = cfg.max_kl * max(spread["adv/evidence"], cfg.evidence_kl)
-                spread["trust/bound"] = region.max_kl
+                annealed = self.step_scale**2 if cfg.anneal_updates else 1.0
+                region.max_kl = cfg.max_kl * annealed * max(spread["adv/evidence"], cfg.evidence_kl)
+        if region is not None and (asked or cfg.anneal_updates):
+            spread["trust/bound"] = region.max_kl
 
         # 4. epochs x minibatches (each accumulated over micro-batches), target-KL check before each step
         stats: dict[str, list[float]] = defaultdict(list)
@@ -406,6 +408,9 @@ class PPOTrainer:
         self.optimizer.param_groups[0]["lr"] = cfg.learning_rate * self.step_scale
         if self.natural is not None:
             self.natural.param_groups[0]["lr"] = cfg.natural_step * self.step_scale
+        if self.trust_region is not None and cfg.anneal_updates:  # the bound falls with the step (KL ~ step^2):
+            # the region sizes each step to its bound (`next_start`), so a smaller rate alone would be sized back up
+            self.trust_region.max_kl = cfg.max_kl * self.step_scale**2
         if self.step_scale == 0 and self.num_updates == cfg.anneal_updates:
             logger.warning(
                 "update %d: anneal_updates=%d is reached, so the adapter's step size is 0 and further updates leave "
