@@ -265,8 +265,8 @@ class PPOTrainer:
         if data.old_dists is not None and (asked or not distributed.is_distributed()):
             spread["adv/evidence"] = self._evidence(data, scored, mine)
             if region is not None and asked:
-                annealed = self.step_scale**2 if cfg.anneal_updates else 1.0
-                region.max_kl = cfg.max_kl * annealed * max(spread["adv/evidence"], cfg.evidence_kl)
+                # step_scale is 1 without annealing; with it the bound falls as the step squared (see `_anneal`)
+                region.max_kl = cfg.max_kl * self.step_scale**2 * max(spread["adv/evidence"], cfg.evidence_kl)
         if region is not None and (asked or cfg.anneal_updates):
             spread["trust/bound"] = region.max_kl
 
