@@ -91,6 +91,8 @@ class PPOConfig:
     # equal weight; None = the action mode's `repeated_input_power` (scoring 0.5; generate 0, where it was not measured)
     max_kl: float | None = 0.02  # trust region: backtrack each step until the mean KL(old || new) per turn <= this
     # (scoring mode: per bit of choice, i.e. divided by log2 of the input's number of candidates)
+    input_kl_factor: float | None = None  # trust region, an experiment: also bound each input's KL(old || new), at
+    # this many times max_kl (the mean can sit inside its bound while one state moves far); None = the mean only
     max_kl_generate: bool = False  # also bound generated replies (a noisy k3 estimate; scoring mode is always bound)
     evidence_kl: float | None = None  # scoring mode, an experiment: each update's bound is max_kl x the share of the
     # batch's push its episodes agree on (llamagym.algos.evidence), and at least max_kl x this floor; None = off
@@ -158,6 +160,7 @@ class PPOConfig:
                 "advantage_scale": (lambda v: v in ADVANTAGE_SCALES, f"one of {', '.join(ADVANTAGE_SCALES)}"),
                 "repeated_input_power": (lambda v: v is None or unit[0](v), "None or a number in the interval [0, 1]"),
                 "max_kl": (lambda v: v is None or (_num(v) and v > 0), "None (no trust region) or a number > 0"),
+                "input_kl_factor": (lambda v: v is None or (_num(v) and v >= 1), "None (off) or a number >= 1"),
                 "max_kl_generate": flag,
                 "evidence_kl": (lambda v: v is None or (_num(v) and 0 < v <= 1), "None (off) or a number in (0, 1]"),
                 "kl_coef": non_negative,
@@ -192,6 +195,11 @@ class PPOConfig:
             raise ValueError(
                 "`evidence_kl` scales the trust region's bound, and `max_kl` is None (no trust region). Set max_kl "
                 "(e.g. 0.02), or evidence_kl=None."
+            )
+        if self.input_kl_factor is not None and self.max_kl is None:
+            raise ValueError(
+                "`input_kl_factor` bounds each input's KL at a multiple of the trust region's bound, and `max_kl` is "
+                "None (no trust region). Set max_kl (e.g. 0.02), or input_kl_factor=None."
             )
 
 

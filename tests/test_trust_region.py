@@ -124,6 +124,39 @@ def test_trust_region_backtracks_a_step_until_it_fits_and_undoes_one_that_never_
     torch.testing.assert_close(w.detach(), start)  # undone
 
 
+@pytest.mark.parametrize(
+    "kl, kl_max, factor, expected",
+    [
+        (0.01, 0.05, 5.0, 0.01),  # every input within 5 x 0.02: the mean binds
+        (0.01, 0.2, 5.0, 0.04),  # one input at 0.2, twice its bound of 0.1: sized as a mean twice its bound
+        (0.01, 0.2, None, 0.01),  # off: the mean alone
+    ],
+)
+def test_binding_kl_golden_values(kl, kl_max, factor, expected):
+    region = TrustRegion([torch.nn.Parameter(torch.zeros(1))], max_kl=0.02, input_factor=factor)
+    assert region.binding_kl(kl, kl_max) == pytest.approx(expected)
+
+
+def test_an_input_bound_shrinks_a_step_whose_mean_fits_until_its_largest_input_fits():
+    w = torch.nn.Parameter(torch.zeros(4))
+    region = TrustRegion([w], max_kl=0.02, input_factor=2.0)  # each input's KL <= 0.04
+
+    def measure():  # four inputs, each with KL w_i^2 / 2; only the first moves
+        kl = w.detach().pow(2) / 2
+        return float(kl.mean()), float(kl.max()), True
+
+    region.remember()
+    with torch.no_grad():
+        w += torch.tensor([0.5, 0.0, 0.0, 0.0])  # mean 0.03125 (over its bound), that input 0.125 (3x over its own)
+    result = region.enforce(measure, lambda: None)
+    assert result["kl_max"] <= 0.04 and result["kl"] <= 0.01 and 0 < result["scale"] < math.sqrt(0.04 / 0.125)
+    assert region.start == pytest.approx(next_start(1.0, result["scale"], result["kl_max"] / 2.0, 0.02))
+    with pytest.raises(ValueError, match="input_kl_factor"):
+        PPOConfig(input_kl_factor=0.5)
+    with pytest.raises(ValueError, match="input_kl_factor"):
+        PPOConfig(input_kl_factor=5.0, max_kl=None)
+
+
 def test_repeated_input_weights_golden_values():
     groups = torch.tensor([0, 0, 0, 0, 1, 2, 2])  # input 0 met in four turns, input 1 in one, input 2 in two
     torch.testing.assert_close(ppo.repeated_input_weights(groups, 0.0), torch.ones(7))
@@ -181,10 +214,10 @@ def distributions(policy):
         return policy.score(collate_scored(PROMPTS, CANDIDATES, pad_token_id=256)).logprobs
 
 
-def update_kl(model, lora_config, tokenizer, rewards, history=(), turns=1, **overrides):
+def update_kl(model, lora_config, tokenizer, rewards, history=(), turns=1, per_input=False, **overrides):
     """The mean KL(before || after) per bit of choice (what the trust region bounds) over the three inputs of one
     whole-batch natural-gradient update on `rewards` (episodes of `turns` turns), after updates on each batch of
-    rewards in `history`."""
+    rewards in `history`; with `per_input`, each input's KL (a tensor of 3) instead of their mean."""
     config = PPOConfig(
         **{
             "natural_gradient": True,
@@ -205,7 +238,8 @@ def update_kl(model, lora_config, tokenizer, rewards, history=(), turns=1, **ove
     before = distributions(trainer.policy)
     stats = trainer.step(scored_episodes(rewards, [0, 1, 0, 1, 0, 1], turns))
     count = torch.tensor([len(c) for c in CANDIDATES])
-    return float(relative_kl(before, distributions(trainer.policy), count).mean()), stats
+    kl = relative_kl(before, distributions(trainer.policy), count)
+    return (kl if per_input else float(kl.mean())), stats
 
 
 def per_input_kl_after_one_update(lora_config, tokenizer, power: float | None) -> torch.Tensor:
@@ -297,6 +331,17 @@ def test_trust_region_keeps_each_update_within_max_kl_of_the_old_policy(model, l
     assert free > 0.02, free  # without a bound the step goes past it
     assert bounded <= 0.01 + 1e-6 and stats["trust/kl"] <= 0.01 and stats["trust/scale"] < 1
     assert stats["trust/kl_max"] >= stats["trust/kl"]
+
+
+def test_an_input_bound_keeps_each_input_of_an_update_within_its_multiple_of_max_kl(model, lora_config, tokenizer):
+    rewards = [2.0, -2.0, 0.1, -0.1, 0.1, -0.1]  # one input pushed hardest
+    settings = {"natural_step": 8.0, "max_grad_norm": 100.0, "max_kl": 0.01, "per_input": True}
+    moved = {}
+    for factor in (None, 1.0):
+        torch.manual_seed(0)  # the same adapter's random start for both
+        moved[factor], _ = update_kl(model, lora_config, tokenizer, rewards, input_kl_factor=factor, **settings)
+    assert moved[None].mean() <= 0.01 + 1e-6 and moved[None].max() > 0.015  # one input 1.5x past
+    assert moved[1.0].max() <= 0.01 + 1e-6
 
 
 def test_an_annealed_step_shrinks_under_the_trust_region_too(model, lora_config, tokenizer):

@@ -112,7 +112,11 @@ class PPOTrainer:
             )
         policy.value_head.detach_input = self.natural is not None
         self.policy_optimizer: torch.optim.AdamW | NaturalGradient = self.optimizer  # this update's (see `step`)
-        self.trust_region = TrustRegion(lm_params, config.max_kl) if config.max_kl is not None else None
+        self.trust_region = (
+            TrustRegion(lm_params, config.max_kl, input_factor=config.input_kl_factor)
+            if config.max_kl is not None
+            else None
+        )
         self.average = WeightAverage(lm_params, config.average_updates) if config.average_updates else None
         self._lent = False  # greedy_weights() has lent the average to the adapter
         self.return_moments = ppo.RunningMoments()  # every return so far: the scale of advantage_scale="returns"

@@ -77,16 +77,30 @@ class TrustRegion:
         max_tries: steps measured before giving up; the step is then undone. (The KL along a step is not always
             quadratic: a LoRA update is bilinear in its two matrices, so far from the start the second-order term
             can cancel the first, and a few more tries than the quadratic model needs are allowed.)
+        input_factor: also bound the largest KL of one input, at `input_factor` x `max_kl` (so it follows `max_kl`
+            when that is rescaled, e.g. annealed); None = only the mean is bound.
     """
 
-    def __init__(self, params: list[nn.Parameter], max_kl: float, max_tries: int = 6):
-        self.params, self.max_kl, self.max_tries = params, max_kl, max_tries
+    def __init__(
+        self, params: list[nn.Parameter], max_kl: float, max_tries: int = 6, input_factor: float | None = None
+    ):
+        self.params, self.max_kl, self.max_tries, self.input_factor = params, max_kl, max_tries, input_factor
         self.start = 1.0  # the scale the next step is first measured at (see `next_start`); checkpointed
         self._before: list[torch.Tensor] | None = None
 
     def remember(self) -> None:
         """Call before the optimizer step: the point to backtrack toward."""
         self._before = [p.detach().clone() for p in self.params]
+
+    def binding_kl(self, kl: float, kl_max: float) -> float:
+        """The KL the line search sizes the step by: the mean's, or the largest input's in units of the mean's bound
+        where that binds more (both grow about as the step squared, so one quadratic model serves either).
+
+        Examples (max_kl 0.02, input_factor 5, i.e. 0.1 on one input): (0.01, 0.05) -> 0.01; (0.01, 0.2) -> 0.04.
+        """
+        if self.input_factor is None:
+            return kl
+        return max(kl, kl_max / self.input_factor)
 
     @torch.no_grad()
     def enforce(self, measure: Callable[[], tuple[float, float, bool]], moved: Callable[[], None]) -> dict[str, float]:
@@ -111,11 +125,12 @@ class TrustRegion:
                     p.copy_(b + scale * d)
                 moved()
             kl, kl_max, gained = measure()
-            if kl <= self.max_kl and gained:
+            binding = self.binding_kl(kl, kl_max)
+            if binding <= self.max_kl and gained:
                 if moving:  # a step of zero (every advantage 0) says nothing of the next one's size
-                    self.start = next_start(start, scale, kl, self.max_kl)
+                    self.start = next_start(start, scale, binding, self.max_kl)
                 return {"scale": scale, "kl": kl, "kl_max": kl_max, "tries": float(tries)}
-            scale = step_scale(scale, kl, self.max_kl, gained)
+            scale = step_scale(scale, binding, self.max_kl, gained)
         for p, b in zip(self.params, before, strict=True):
             p.copy_(b)
         moved()  # self.start stays: the step was undone for its surrogate or a KL far off the quadratic model
