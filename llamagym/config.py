@@ -96,6 +96,9 @@ class PPOConfig:
     max_kl_generate: bool = False  # also bound generated replies (a noisy k3 estimate; scoring mode is always bound)
     evidence_kl: float | None = None  # scoring mode, an experiment: each update's bound is max_kl x the share of the
     # batch's push its episodes agree on (llamagym.algos.evidence), and at least max_kl x this floor; None = off
+    hold_batches: int = 0  # natural steps in scoring mode, an experiment: the inputs of the last N batches that are not
+    # in this one join the step's solve with a target move of 0 (llamagym.algos.holding), so a step moves less where
+    # the batch says nothing; one process only; 0 = off
     kl_coef: float = 0.0  # (initial) weight of the per-turn KL to the reference policy in the reward; 0 = none
     kl_estimator: str = "k1"  # per-token estimator of kl_ref: k1, k2 or k3
     adaptive_kl: bool = False  # adapt kl_coef toward kl_target (Ziegler et al. 2019)
@@ -163,6 +166,7 @@ class PPOConfig:
                 "input_kl_factor": (lambda v: v is None or (_num(v) and v >= 1), "None (off) or a number >= 1"),
                 "max_kl_generate": flag,
                 "evidence_kl": (lambda v: v is None or (_num(v) and 0 < v <= 1), "None (off) or a number in (0, 1]"),
+                "hold_batches": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0 = off)"),
                 "kl_coef": non_negative,
                 "kl_estimator": (lambda v: v in KL_ESTIMATORS, f"one of {', '.join(KL_ESTIMATORS)}"),
                 "adaptive_kl": flag,
@@ -195,6 +199,11 @@ class PPOConfig:
             raise ValueError(
                 "`evidence_kl` scales the trust region's bound, and `max_kl` is None (no trust region). Set max_kl "
                 "(e.g. 0.02), or evidence_kl=None."
+            )
+        if self.hold_batches and self.natural_gradient is False:
+            raise ValueError(
+                f"`hold_batches={self.hold_batches}` shapes the natural-gradient step, and `natural_gradient` is "
+                "False. Set natural_gradient=None (on with LoRA), or hold_batches=0."
             )
         if self.input_kl_factor is not None and self.max_kl is None:
             raise ValueError(

@@ -184,6 +184,7 @@ class NaturalGradient:
         self._filled = 0  # rows of `_grads` taken so far
         self._targets: list[torch.Tensor] = []  # their output-gradient targets t, per micro-batch
         self._turns = 0  # the minibatch's turn count (the step's scale)
+        self._held = 0  # how many of the last rows are held inputs (`expect`)
         self._pending = False  # a recorded forward whose gradients are not taken yet
         self._direction: torch.Tensor | None = None  # the solved step, between clip_grad_norm() and step()
         self._keys: torch.Tensor | None = None  # data-parallel: each row's input id, the same on every rank
@@ -196,17 +197,21 @@ class NaturalGradient:
         self._grads, self._filled, self._targets, self._pending, self._direction = None, 0, [], False, None
         self._outputs = []
 
-    def expect(self, inputs: int, turns: int, keys: torch.Tensor | None = None) -> None:
-        """The next step's minibatch: `inputs` distinct inputs (the rows of G), `turns` turns (the step's scale).
+    def expect(self, inputs: int, turns: int, keys: torch.Tensor | None = None, held: int = 0) -> None:
+        """The next step's minibatch: `inputs` distinct inputs (the rows of G), `turns` turns (the step's scale),
+        and `held` inputs to hold (`llamagym.algos.holding`), recorded after the minibatch's, whose rows ask the step
+        to leave their outputs as they are (`natural_coefficients`). One process only.
 
         Data-parallel (`keys` given): `inputs` are this rank's, `turns` the minibatch's over every rank, and `keys`
         (inputs,) each row's input id, numbered alike on every rank in the order the rows are recorded. The step is
         then solved over every rank's rows, an input met on several ranks merged into one row (see `_gathered`).
         """
+        if held and keys is not None:
+            raise ValueError("Held inputs (PPOConfig.hold_batches) are not supported data-parallel: set it to 0.")
         self.rows.clear()
         dtype = self.grad_dtype if keys is None else torch.float32
-        self._grads = torch.empty(inputs, self.rows.width, device=self.params[0].device, dtype=dtype)
-        self._filled, self._targets, self._turns = 0, [], turns
+        self._grads = torch.empty(inputs + held, self.rows.width, device=self.params[0].device, dtype=dtype)
+        self._filled, self._targets, self._turns, self._held = 0, [], turns, held
         self._keys, self._outputs = keys, []
         self.rows.keep_outputs = keys is not None
 
@@ -223,12 +228,12 @@ class NaturalGradient:
         """Solve for the step and clip the value head's gradient; returns the step's norm before its cap, or the
         value head's gradient norm when that is not finite (the step is then to be skipped)."""
         self._take()
-        grads, targets = self._grads, torch.cat(self._targets)
+        grads, targets = self._grads[: self._filled], torch.cat(self._targets)
         if self._keys is not None:
             grads, targets = self._gathered(grads)
         self._grads, self._targets, self._outputs = None, [], []
         scale = self.param_groups[0]["lr"] * self._turns
-        self._direction, norm = natural_direction(grads, targets, self.damping, scale, self.max_norm)
+        self._direction, norm = natural_direction(grads, targets, self.damping, scale, self.max_norm, self._held)
         value_norm = torch.nn.utils.clip_grad_norm_(self.value_params, self.max_norm)
         return norm if torch.isfinite(value_norm) else value_norm
 
@@ -274,36 +279,48 @@ class NaturalGradient:
 PRODUCT_COLUMNS = 65536  # columns of a bfloat16 G cast to float32 at a time (a block of 160 inputs: 42 MB)
 
 
-def natural_coefficients(gram: torch.Tensor, targets: torch.Tensor, damping: float) -> torch.Tensor:
+def natural_coefficients(gram: torch.Tensor, targets: torch.Tensor, damping: float, held: int = 0) -> torch.Tensor:
     """alpha solving (K + damping * mean(K_ii / t_i) * diag(t)) alpha = t (see the module docstring).
 
     Rows whose target or own gain is zero (a clipped or zero-advantage input) get alpha = 0. Solved in float64.
+    The last `held` rows are held inputs (`llamagym.algos.holding`): their right-hand side is 0 instead of t_j, so
+    the step is solved to leave their outputs where they are as closely as it fits the others' moves (t_j, the
+    squared norm of the held output's direction, weighs each as one moved input; the gain is the moved rows' mean).
 
     Args:
         gram: (N, N) K = G G^T of the per-input loss gradients.
         targets: (N,) t_i = |d loss_i / d outputs_i|^2.
         damping: relative damping (> 0); larger is closer to a plain gradient step, smaller trusts K more.
+        held: how many of the last rows are held.
+
+    Example (damping 0.1): two inputs a step moves nearly alike, K = [[1, 0.9], [0.9, 1]], t = (1, 1). The first
+    alone: alpha = 0.909, which moves it by K alpha = 0.909 and the second by 0.818. The second held: alpha =
+    (2.75, -2.25), moving the first by 0.725 and the second by 0.225.
     """
     k, t = gram.double(), targets.double()
     alpha = torch.zeros_like(t)
     live = (t > 0) & (k.diagonal() > 0)
-    if not live.any():
+    moved = torch.ones_like(live)
+    if held:
+        moved[-held:] = False
+    if not (live & moved).any():
         return alpha.to(targets.dtype)
-    k, t_live = k[live][:, live], t[live]
-    gain = (k.diagonal() / t_live).mean()
-    alpha[live] = torch.linalg.solve(k + damping * gain * torch.diag(t_live), t_live)
+    k, t_live, rhs = k[live][:, live], t[live], torch.where(moved, t, 0.0)[live]
+    gain = (k.diagonal() / t_live)[moved[live]].mean()
+    alpha[live] = torch.linalg.solve(k + damping * gain * torch.diag(t_live), rhs)
     return alpha.to(targets.dtype)
 
 
 def natural_direction(
-    grads: torch.Tensor, targets: torch.Tensor, damping: float, scale: float, max_norm: float
+    grads: torch.Tensor, targets: torch.Tensor, damping: float, scale: float, max_norm: float, held: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(step, norm): the flat parameter step to *subtract*, `scale * G^T alpha` capped at `max_norm`, and its
-    norm before the cap (non-finite when the solve failed; the caller then skips the step).
+    norm before the cap (non-finite when the solve failed; the caller then skips the step). The last `held` rows
+    of `grads` are held inputs (`natural_coefficients`).
 
     `grads` in bfloat16 gives a float32 step: its products are taken in float32, a block of columns at a time."""
     if grads.dtype != torch.bfloat16:
-        alpha = natural_coefficients(grads @ grads.T, targets, damping)
+        alpha = natural_coefficients(grads @ grads.T, targets, damping, held)
         step = grads.T @ alpha.to(grads.dtype) * scale
     else:
         blocks = [grads[:, i : i + PRODUCT_COLUMNS] for i in range(0, grads.shape[1], PRODUCT_COLUMNS)]
@@ -311,7 +328,7 @@ def natural_direction(
         for block in blocks:
             block = block.float()
             gram += block @ block.T
-        alpha = natural_coefficients(gram, targets.float(), damping)
+        alpha = natural_coefficients(gram, targets.float(), damping, held)
         step = torch.cat([block.float().T @ alpha for block in blocks]) * scale
     norm = step.norm()
     if norm > max_norm:  # a trust region: the linearisation holds for small parameter moves only

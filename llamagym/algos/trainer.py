@@ -49,6 +49,7 @@ from ..models.host_memory import FreedMemoryBound
 from ..models.policy import Policy
 from . import estimators, evidence, ppo
 from .averaging import WeightAverage
+from .holding import HeldInputs, held_outputs
 from .modes import ActionMode, Recalled, mode_of
 from .modes.score import SCORE_TOKENS, token_chunks
 from .natural_gradient import NaturalGradient, RowGradients
@@ -111,6 +112,15 @@ class PPOTrainer:
                 rows, self.optimizer, config.natural_step, config.natural_damping, config.max_grad_norm
             )
         policy.value_head.detach_input = self.natural is not None
+        self.held = None  # the inputs of recent batches a natural step holds (`PPOConfig.hold_batches`)
+        if config.hold_batches:
+            if self.natural is None or distributed.is_distributed():
+                raise ValueError(
+                    f"PPOConfig(hold_batches={config.hold_batches}) needs natural-gradient steps (LoRA, every trained "
+                    "weight in a Linear layer) in one process. Set hold_batches=0."
+                )
+            self.held = HeldInputs(config.hold_batches)
+        self._held_data: UpdateBatch | None = None  # this update's held inputs, collated (scoring mode)
         self.policy_optimizer: torch.optim.AdamW | NaturalGradient = self.optimizer  # this update's (see `step`)
         self.trust_region = (
             TrustRegion(lm_params, config.max_kl, input_factor=config.input_kl_factor)
@@ -137,6 +147,7 @@ class PPOTrainer:
         # CPU: freed heap goes back to the system after each update, and within one when it grows past a bound
         self.freed_memory = FreedMemoryBound() if policy.device.type == "cpu" else None
         self._warned_cut = False  # the warning that nearly every reply was cut at max_new_tokens is given once
+        self._warned_hold = False  # the warning that generate mode holds nothing is given once
         distributed.broadcast_(list(policy.trainable_parameters()))  # every rank starts from rank 0's weights
 
     # ---- one update ------------------------------------------------------------------------------------------
@@ -170,6 +181,7 @@ class PPOTrainer:
         region = self.trust_region if mode.exact_kl or cfg.max_kl_generate else None
         data = UpdateBatch(mode, batch, mode.distinct_inputs(turns), mode.action_mask(batch))
         mask = data.mask
+        self._held_data = self._held(mode, turns) if natural else None
         # Shuffles for every epoch are drawn up front: the old log-probs are computed on epoch 0's minibatches,
         # so the first minibatch repeats that exact forward and its ratio is exactly 1 (1 up to rounding for the
         # inputs whose old outputs acting computed, `recall`).
@@ -273,6 +285,8 @@ class PPOTrainer:
                 region.max_kl = cfg.max_kl * self.step_scale**2 * max(spread["adv/evidence"], cfg.evidence_kl)
         if region is not None and (asked or cfg.anneal_updates):
             spread["trust/bound"] = region.max_kl
+        if self.held is not None:
+            spread["hold/inputs"] = float(len(self._held_data.groups)) if self._held_data is not None else 0.0
 
         # 4. epochs x minibatches (each accumulated over micro-batches), target-KL check before each step
         stats: dict[str, list[float]] = defaultdict(list)
@@ -332,6 +346,8 @@ class PPOTrainer:
             rows = measured.rows.tolist()
             mode.remember(acted(mode), [turns[i] for i in rows], measured.dists, values, measured.features)
 
+        if self.held is not None:
+            self.held.add(mode, turns)
         self.num_updates += 1
         if self.freed_memory is not None:  # the update's activations are freed: give their pages back
             self.freed_memory.release()
@@ -565,7 +581,8 @@ class PPOTrainer:
             keys = None
             if self._input_ids is not None:  # the rows' shared ids, in the order the micro-batches record them
                 keys = torch.cat([self._input_ids[torch.unique(groups[part])] for part in micro])
-            natural.expect(inputs=len(torch.unique(groups[index])), turns=total_rows, keys=keys)
+            held = len(self._held_data.groups) if self._held_data is not None else 0
+            natural.expect(inputs=len(torch.unique(groups[index])), turns=total_rows, keys=keys, held=held)
         finite = True
         for part in micro:
             # a natural step records each input's own gradient; a plain one needs their sum: shared tokens run once
@@ -605,6 +622,8 @@ class PPOTrainer:
                 ("ppo/loss", loss, 1.0),
             ):
                 sums[key] += float(value.detach() * share)
+        if finite and natural is not None and self._held_data is not None:
+            finite = self._hold(natural)
         if distributed.is_distributed():  # every rank skips the step together, and reports the minibatch's stats
             if not distributed.all_true(finite):
                 if finite:
@@ -613,6 +632,36 @@ class PPOTrainer:
                 return None
             return distributed.reduce_dict(dict(sums))
         return dict(sums) if finite else None
+
+    def _held(self, mode: ActionMode, turns: list[Turn]) -> UpdateBatch | None:
+        """This update's held inputs (`PPOConfig.hold_batches`), collated: one row each; None when there are none
+        (the first batch, generate mode)."""
+        if self.held is None:
+            return None
+        if not mode.exact_kl:
+            if not self._warned_hold:
+                self._warned_hold = True
+                logger.warning(
+                    "PPOConfig.hold_batches holds scored inputs only (it needs every candidate's log-prob); this "
+                    f"{mode.name}-mode update holds nothing. Set hold_batches=0 to silence this."
+                )
+            return None
+        others = self.held.others(mode, turns)
+        if not others:
+            return None
+        batch = mode.collate(others, self.pad_token_id, self.policy.device)
+        return UpdateBatch(mode, batch, torch.arange(len(others)), mode.action_mask(batch))
+
+    def _hold(self, natural: NaturalGradient) -> bool:
+        """Record the held inputs' rows for the natural step (after the minibatch's): the gradient of each one's
+        `holding.held_outputs`, whose target move the solve sets to 0. False when a forward was not finite."""
+        held = self._held_data
+        for part in self._micro(held.groups, torch.arange(len(held.groups))):
+            with natural.recording() as watch:
+                outputs = held_outputs(self._evaluate(held, part, watch=watch).dists).sum()
+            if not self._backward(outputs):
+                return False
+        return True
 
     @torch.no_grad()
     def _measure(self, data: UpdateBatch, index: torch.Tensor, objective_before: float, keep: bool = False):
@@ -882,6 +931,7 @@ class PPOTrainer:
             "trust_start": self.trust_region.start if self.trust_region is not None else None,
             "entropy_floor": self.entropy_floor.state_dict() if self.entropy_floor is not None else None,
             "average": self.average.state_dict() if self.average is not None else None,
+            "held": self.held.state_dict() if self.held is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -901,6 +951,8 @@ class PPOTrainer:
             self.entropy_floor.load_state_dict(state["entropy_floor"])
         if self.average is not None and state.get("average") is not None:  # absent before averaging existed
             self.average.load_state_dict(state["average"])
+        if self.held is not None and state.get("held") is not None:  # absent before hold_batches existed
+            self.held.load_state_dict(state["held"])
 
 
 class _Measured(NamedTuple):
