@@ -11,14 +11,12 @@ from llamagym.algos.holding import HeldInputs, held_outputs
 from llamagym.algos.modes import MODES
 from llamagym.algos.modes.score import relative_kl
 from llamagym.algos.natural_gradient import natural_coefficients
-from llamagym.algos.rollout import Episode, Turn, collate_scored
+from llamagym.algos.rollout import Episode, Turn
 from llamagym.algos.trainer import PPOTrainer
 from llamagym.config import PPOConfig
 from llamagym.models.policy import Policy
 from llamagym.models.tiny_random import build_tiny_model
-
-PROMPTS = [[257, 50, 51, 256, 259], [257, 52, 256, 258, 53, 256, 259], [257, 54, 256, 259]]
-CANDIDATES = [[[60, 61, 256], [70, 256]], [[80, 256], [81, 82, 83, 256], [84, 256]], [[60, 256], [61, 256]]]
+from tests.test_trust_region import CANDIDATES, PROMPTS, distributions
 
 
 def test_held_outputs_golden_values_and_their_gradient_is_the_held_direction():
@@ -70,13 +68,9 @@ def kl_after_update(lora_config, tokenizer, hold: int) -> tuple[torch.Tensor, di
     policy = Policy(build_tiny_model(tokenizer, seed=0), lora_config, precision="fp32")
     trainer = PPOTrainer(policy, config, tokenizer.pad_token_id)
     trainer.step([Episode([turn(2, 0, 1.0)]), Episode([turn(2, 1, 0.0)])])
-    batch = collate_scored(PROMPTS, CANDIDATES, pad_token_id=256)
-    with torch.no_grad():
-        before = policy.score(batch).logprobs
+    before = distributions(policy)
     stats = trainer.step([Episode([turn(0, 0, 1.0)]), Episode([turn(0, 1, 0.0)]), Episode([turn(1, 2, 1.0)])])
-    with torch.no_grad():
-        after = policy.score(batch).logprobs
-    return relative_kl(before, after, torch.tensor([len(c) for c in CANDIDATES])), stats
+    return relative_kl(before, distributions(policy), torch.tensor([len(c) for c in CANDIDATES])), stats
 
 
 def test_a_held_input_moves_less_while_the_batch_still_moves(lora_config, tokenizer):
@@ -95,6 +89,9 @@ def test_hold_batches_asks_for_natural_steps_with_a_message(model, lora_config, 
     policy = Policy(model, full_finetune=True)  # no natural step to hold with
     with pytest.raises(ValueError, match="hold_batches=0"):
         PPOTrainer(policy, PPOConfig(hold_batches=2), tokenizer.pad_token_id)
+    natural = PPOTrainer(Policy(build_tiny_model(tokenizer, seed=0), lora_config), PPOConfig(), 256).natural
+    with pytest.raises(ValueError, match="data-parallel"):  # the optimizer itself refuses, whoever drives it
+        natural.expect(inputs=2, turns=2, keys=torch.arange(2), held=1)
 
 
 def test_generate_mode_holds_nothing_and_says_so_once(model, lora_config, tokenizer, caplog):
