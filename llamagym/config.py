@@ -99,8 +99,6 @@ class PPOConfig:
     hold_batches: int = 0  # natural steps in scoring mode, an experiment: the inputs of the last N batches that are not
     # in this one join the step's solve with a target move of 0 (llamagym.algos.holding), so a step moves less where
     # the batch says nothing; one process only; 0 = off
-    hold_learned: bool = False  # with hold_batches, an experiment: hold only the inputs whose likeliest candidate is
-    # no longer the reference policy's (what training moved); those still at their prior are free to follow the batch
     kl_coef: float = 0.0  # (initial) weight of the per-turn KL to the reference policy in the reward; 0 = none
     kl_estimator: str = "k1"  # per-token estimator of kl_ref: k1, k2 or k3
     adaptive_kl: bool = False  # adapt kl_coef toward kl_target (Ziegler et al. 2019)
@@ -169,7 +167,6 @@ class PPOConfig:
                 "max_kl_generate": flag,
                 "evidence_kl": (lambda v: v is None or (_num(v) and 0 < v <= 1), "None (off) or a number in (0, 1]"),
                 "hold_batches": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0 = off)"),
-                "hold_learned": flag,
                 "kl_coef": non_negative,
                 "kl_estimator": (lambda v: v in KL_ESTIMATORS, f"one of {', '.join(KL_ESTIMATORS)}"),
                 "adaptive_kl": flag,
@@ -207,11 +204,6 @@ class PPOConfig:
             raise ValueError(
                 f"`hold_batches={self.hold_batches}` shapes the natural-gradient step, and `natural_gradient` is "
                 "False. Set natural_gradient=None (on with LoRA), or hold_batches=0."
-            )
-        if self.hold_learned and not self.hold_batches:
-            raise ValueError(
-                "`hold_learned=True` chooses which remembered inputs a natural step holds, and `hold_batches` is 0 "
-                "(nothing remembered). Set hold_batches (e.g. 3), or hold_learned=False."
             )
         if self.input_kl_factor is not None and self.max_kl is None:
             raise ValueError(

@@ -13,11 +13,6 @@ What is held of an input: its likeliest candidate's log-prob against the candida
 y = sum_c (1[c = top] - p_c) log p_c (`held_outputs`); for a choice of two that is p_other x the log-odds of the
 top one, so a step held there cannot flip it to first order, and a near-certain input, which a step barely moves,
 weighs little. Scoring mode only (it needs every candidate's log-prob), one process.
-
-`hold_learned` holds only the inputs whose likeliest candidate is no longer the reference policy's (`learned`).
-Why (docs/learning-that-holds.md, seventy-ninth session): on the defaults the out-of-batch flips back to the base
-model's choice cost the Blackjack example's return while those away from it paid (they spread the batch's lesson),
-and a hold of every input held the prior too, so leaving it was slowed.
 """
 
 from __future__ import annotations
@@ -39,16 +34,6 @@ def held_outputs(logprobs: torch.Tensor) -> torch.Tensor:
     top = torch.nn.functional.one_hot(p.argmax(-1), p.shape[-1]).to(p.dtype)
     direction = torch.where(p > 0, top - p, torch.zeros_like(p))
     return (direction * torch.where(p > 0, logprobs, torch.zeros_like(logprobs))).sum(-1)
-
-
-def learned(dists: torch.Tensor, reference_dists: torch.Tensor) -> torch.Tensor:
-    """(N,) bool: whether each input's likeliest candidate under the policy (`dists`, (N, C) log-probs, -inf =
-    padding) is not the reference policy's (`reference_dists`, the same shape): what training has moved.
-
-    Example: policy rows (log 0.6, log 0.4) and (log 0.3, log 0.7), reference rows both (log 0.8, log 0.2) ->
-    (False, True).
-    """
-    return dists.argmax(-1) != reference_dists.argmax(-1)
 
 
 class HeldInputs:

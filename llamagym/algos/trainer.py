@@ -49,7 +49,7 @@ from ..models.host_memory import FreedMemoryBound
 from ..models.policy import Policy
 from . import estimators, evidence, ppo
 from .averaging import WeightAverage
-from .holding import HeldInputs, held_outputs, learned
+from .holding import HeldInputs, held_outputs
 from .modes import ActionMode, Recalled, mode_of
 from .modes.score import SCORE_TOKENS, token_chunks
 from .natural_gradient import NaturalGradient, RowGradients
@@ -635,8 +635,7 @@ class PPOTrainer:
 
     def _held(self, mode: ActionMode, turns: list[Turn]) -> UpdateBatch | None:
         """This update's held inputs (`PPOConfig.hold_batches`), collated: one row each; None when there are none
-        (the first batch, generate mode, or with `hold_learned` none the policy has moved off the reference's
-        choice)."""
+        (the first batch, generate mode)."""
         if self.held is None:
             return None
         if not mode.exact_kl:
@@ -648,19 +647,10 @@ class PPOTrainer:
                 )
             return None
         others = self.held.others(mode, turns)
-        held = self._collate_held(mode, others) if others else None
-        if held is not None and self.config.hold_learned:  # of those, what training moved off the reference's choice
-            index = [torch.arange(len(others))]
-            with self.policy.reference():
-                before = self._score(held, index, reference=True)[2]
-            moved = learned(self._score(held, index, reference=False)[2], before).tolist()
-            others = [turn for turn, keep in zip(others, moved, strict=True) if keep]
-            held = self._collate_held(mode, others) if others else None
-        return held
-
-    def _collate_held(self, mode: ActionMode, turns: list[Turn]) -> UpdateBatch:
-        batch = mode.collate(turns, self.pad_token_id, self.policy.device)
-        return UpdateBatch(mode, batch, torch.arange(len(turns)), mode.action_mask(batch))
+        if not others:
+            return None
+        batch = mode.collate(others, self.pad_token_id, self.policy.device)
+        return UpdateBatch(mode, batch, torch.arange(len(others)), mode.action_mask(batch))
 
     def _hold(self, natural: NaturalGradient) -> bool:
         """Record the held inputs' rows for the natural step (after the minibatch's): the gradient of each one's
