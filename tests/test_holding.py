@@ -89,7 +89,9 @@ def test_hold_batches_asks_for_natural_steps_with_a_message(model, lora_config, 
     policy = Policy(model, full_finetune=True)  # no natural step to hold with
     with pytest.raises(ValueError, match="hold_batches=0"):
         PPOTrainer(policy, PPOConfig(hold_batches=2), tokenizer.pad_token_id)
-    natural = PPOTrainer(Policy(build_tiny_model(tokenizer, seed=0), lora_config), PPOConfig(), 256).natural
+    natural = PPOTrainer(
+        Policy(build_tiny_model(tokenizer, seed=0), lora_config), PPOConfig(), tokenizer.pad_token_id
+    ).natural
     with pytest.raises(ValueError, match="data-parallel"):  # the optimizer itself refuses, whoever drives it
         natural.expect(inputs=2, turns=2, keys=torch.arange(2), held=1)
 
