@@ -53,6 +53,8 @@ class PPOConfig:
     gamma: float = 0.99  # discount across the turns of an episode: < 1 makes a shorter way to the same reward worth
     # more, so a move that changes nothing (a wall) is worse than progress and a solved greedy policy does not loop
     lam: float = 0.95  # GAE lambda (1 = Monte-Carlo return, 0 = one-step TD)
+    policy_lam: float | None = None  # gae: the policy's advantages at this lambda, the value head's targets (and the
+    # returns' scale) at `lam` (decoupled GAE, as VAPO's); None = `lam` for both; an experiment, not a default
     advantage: str = "gae"  # advantage estimator (llamagym.algos.estimators): gae (value head), or critic-free grpo,
     # rloo, rebn, gigpo; those ignore whiten_advantages (they center their own), the value head still trains
     group_std_scaling: bool = True  # grpo/gigpo: divide by the group's return std (False = Dr.GRPO's unscaled)
@@ -140,6 +142,7 @@ class PPOConfig:
                 "ppo_epochs": count_or_none,
                 "gamma": unit,
                 "lam": unit,
+                "policy_lam": (lambda v: v is None or unit[0](v), "None (= lam) or a number in the interval [0, 1]"),
                 "advantage": (
                     lambda v: v in estimators.names(),
                     f"one of {', '.join(estimators.names())} (llamagym.algos.estimators)",

@@ -217,6 +217,8 @@ CASES = [
         ValueError, "`learning_rate` should be a number > 0. Received -0.0001."),
     row("config-gamma-above-one", lambda c: PPOConfig(gamma=1.5),
         ValueError, "`gamma` should be in the interval [0, 1]. Received 1.5."),
+    row("config-policy-lam-above-one", lambda c: PPOConfig(policy_lam=2),
+        ValueError, "`policy_lam` should be None (= lam) or a number in the interval [0, 1]. Received 2."),
     row("config-batch-size-float", lambda c: PPOConfig(batch_size=2.5),
         ValueError, "`batch_size` should be an integer >= 1. Received 2.5."),
     row("config-min-batch-turns-negative", lambda c: PPOConfig(min_batch_turns=-1),

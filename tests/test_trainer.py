@@ -100,6 +100,20 @@ def test_credit_reaches_earlier_turns_through_gae(model, lora_config, tokenizer)
     assert advantages.tolist() == [1.0, 1.0]  # the final reward is the first turn's too, not split
 
 
+def test_policy_lam_decouples_the_advantages_from_the_value_targets(model, lora_config, tokenizer):
+    # two turns, V = (0.5, 0.25), reward 1 at the end, gamma 1: deltas (-0.25, 0.75); the value head's targets are
+    # GAE(lam) + V, the policy's advantages GAE(policy_lam)
+    episode = Episode([Turn([1, 2], [3]), Turn([1, 2, 3, 4], [5], reward=1.0)])
+    rewards, values = torch.tensor([0.0, 1.0]), torch.tensor([0.5, 0.25])
+    trainer = make_trainer(model, lora_config, tokenizer, gamma=1.0, lam=1.0, policy_lam=0.0)
+    advantages, returns, _ = trainer._advantages([episode], rewards, values)
+    assert advantages.tolist() == [-0.25, 0.75]  # one-step TD errors (lambda 0)
+    assert returns.tolist() == [1.0, 1.0]  # Monte-Carlo returns (lambda 1)
+    trainer = make_trainer(model, lora_config, tokenizer, gamma=1.0, lam=0.5, policy_lam=None)
+    advantages, returns, _ = trainer._advantages([episode], rewards, values)
+    assert advantages.tolist() == [0.125, 0.75] and returns.tolist() == [0.625, 1.0]  # -0.25 + 0.5 x 0.75
+
+
 def test_nan_reward_skips_the_step_and_keeps_weights(model, lora_config, tokenizer):
     trainer = make_trainer(model, lora_config, tokenizer)
     before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}

@@ -4,7 +4,8 @@ What one action, one reward and one value are (docs/design.md §3):
 1. One action = one assistant turn (a sampled reply).
 2. The state value V(s) is read by the value head at the last prompt token of the turn.
 3. The turn reward = env reward - kl_coef * (summed per-token KL of the reply to the reference policy).
-4. GAE (gamma, lam) runs across the turns of an episode; bootstrap from V(next state) only on truncation. Or
+4. GAE (gamma, lam) runs across the turns of an episode; bootstrap from V(next state) only on truncation (the
+   policy's advantages at `policy_lam` instead, where set; the value head's targets stay at `lam`). Or
    another advantage estimator (`PPOConfig.advantage`, see `estimators.py`): critic-free ones compare an episode's
    return with its group's (episodes with the same first prompt, or the same `Episode.group`). The value head
    still learns their returns-to-go (its loss and refit run as ever), though they do not read it.
@@ -221,7 +222,7 @@ class PPOTrainer:
         #    estimator; critic-free ones center (and scale) their own advantages, so only value-based ones are whitened
         #    (data-parallel: over every rank's turns, in rank order; this rank keeps its own slice, `mine`)
         scored, mine = self._advantage_batch(episodes, rewards, old_values)
-        advantages, returns, estimator_stats = self.estimator(scored, cfg.gamma, cfg.lam, cfg.group_std_scaling)
+        advantages, returns, estimator_stats = self._estimate(scored)
         all_values = scored.values
         self.return_moments.update(returns)
         spread = {"adv/raw_std": _std(advantages), "adv/return_std": _std(returns), **estimator_stats}
@@ -773,8 +774,17 @@ class PPOTrainer:
     def _advantages(self, episodes: list[Episode], rewards: torch.Tensor, values: torch.Tensor) -> estimators.Estimate:
         """The configured estimator's (advantages, returns, stats) over the batch's turns (`PPOConfig.advantage`):
         over every rank's turns, data-parallel (see `_advantage_batch`)."""
-        batch = self._advantage_batch(episodes, rewards, values)[0]
-        return self.estimator(batch, self.config.gamma, self.config.lam, self.config.group_std_scaling)
+        return self._estimate(self._advantage_batch(episodes, rewards, values)[0])
+
+    def _estimate(self, batch: estimators.AdvantageBatch) -> estimators.Estimate:
+        """The configured estimator on `batch`. With `PPOConfig.policy_lam` set (and a value-based estimator), the
+        advantages are its estimate at that lambda and the returns (the value head's targets) its estimate at `lam`."""
+        cfg = self.config
+        estimate = self.estimator(batch, cfg.gamma, cfg.lam, cfg.group_std_scaling)
+        if cfg.policy_lam is None or cfg.policy_lam == cfg.lam or not self.estimator.needs_value:
+            return estimate
+        for_policy = self.estimator(batch, cfg.gamma, cfg.policy_lam, cfg.group_std_scaling)
+        return estimators.Estimate(for_policy.advantages, estimate.returns, {**estimate.stats, **for_policy.stats})
 
     @torch.no_grad()
     def _advantage_batch(self, episodes: list[Episode], rewards: torch.Tensor, values: torch.Tensor):
