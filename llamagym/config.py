@@ -54,7 +54,9 @@ class PPOConfig:
     # more, so a move that changes nothing (a wall) is worse than progress and a solved greedy policy does not loop
     lam: float = 0.95  # GAE lambda (1 = Monte-Carlo return, 0 = one-step TD)
     policy_lam: float | None = None  # gae: the policy's advantages at this lambda, the value head's targets (and the
-    # returns' scale) at `lam` (decoupled GAE, as VAPO's); None = `lam` for both; an experiment, not a default
+    # returns' scale) at `lam` (decoupled GAE, as VAPO's); None = `lam` for both; an experiment, not a default. Keep it
+    # high where the reward hangs on what the prompt does not show (rooms' steps used): a head that cannot see it hands
+    # a bad move little of its cost at a low lambda (benchmarks/lambda_credit.py)
     advantage: str = "gae"  # advantage estimator (llamagym.algos.estimators): gae (value head), or critic-free grpo,
     # rloo, rebn, gigpo; those ignore whiten_advantages (they center their own), the value head still trains
     group_std_scaling: bool = True  # grpo/gigpo: divide by the group's return std (False = Dr.GRPO's unscaled)
