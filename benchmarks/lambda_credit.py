@@ -108,12 +108,12 @@ class House:
             for door in self.policy(*state[:2]):
                 reward, after, timed_out = self.outcome(state, door)
                 if after is None:
-                    delta = reward - head(state)
+                    gae = reward - head(state)
                 else:
-                    delta = reward + self.gamma * head(after) - head(state)
+                    gae = reward + self.gamma * head(after) - head(state)  # the TD error, then the later ones'
                     if not timed_out:
-                        delta += self.gamma * lam * expected[after]
-                advantage[state, door] = delta
+                        gae += self.gamma * lam * expected[after]
+                advantage[state, door] = gae
             expected[state] = sum(p * advantage[state, door] for door, p in self.policy(*state[:2]).items())
         return advantage
 
