@@ -4,8 +4,8 @@ Rooms pays d(start, goal) / steps at the goal, so a detour costs reward that is 
 shows (room, goal), not the steps used: the best value head a prompt can have prices the room after a detour as it
 prices the same room on a shortest walk. A bootstrapped advantage (low lambda) leans on that head, so the detour's cost
 reaches the detour only through the (gamma * lambda)^k tail to the reward. This computes it exactly, by dynamic
-programming over the full state (room, goal, d(start, goal), steps used), for a policy that takes a shortest-path door
-with probability 1 - eps and a uniformly drawn door with probability eps:
+programming over the full state (room, goal, start, steps used: `rooms.State`, stepped by `rooms.walk`), for a policy
+that takes a shortest-path door with probability 1 - eps and a uniformly drawn door with probability eps:
 
 - `prompt head`: the best function of (room, goal), the on-policy occupancy-weighted mean of the true values (the
   value a head fit to Monte-Carlo returns tends to), with the time limit bootstrapped from it as the trainer does;
@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from llamagym.envs import rooms
 
-Full = tuple[int, int, int, int]  # (room, goal, d(start, goal), steps used)
+Full = rooms.State  # (room, goal, start, steps used): everything the reward hangs on
 
 
 class House:
@@ -36,37 +36,30 @@ class House:
     def __init__(self, num_rooms: int = 8, layout_seed: int = 0, eps: float = 0.1, gamma: float = 0.99):
         self.layout, self.limit = rooms.settings(num_rooms, layout_seed)
         self.eps, self.gamma = eps, gamma
-        n, limit = self.layout.num_rooms, self.limit
-        rooms_goals = [(r, g) for r, g in itertools.product(range(n), repeat=2) if r != g]
-        self.states: list[Full] = [(r, g, d0, k) for r, g in rooms_goals for d0 in range(1, n) for k in range(limit)]
+        n = self.layout.num_rooms
+        pairs = [(r, g) for r, g in itertools.product(range(n), repeat=2) if r != g]
+        self.states = [Full(r, g, s, k) for r, g in pairs for s in range(n) if s != g for k in range(self.limit)]
+        self.backwards = sorted(self.states, key=lambda s: -s.steps)  # a state's successors (one step more) first
         self.values, self.q = self._true_values()
         self.visits = self._visits()
 
     def policy(self, room: int, goal: int) -> dict[int, float]:
         """Door -> probability: a shortest-path door (uniformly) with 1 - eps, any door (uniformly) with eps."""
-        doors, distance = self.layout.doors[room], self.layout.distance
-        shortest = [a for a in doors if distance[a][goal] < distance[room][goal]]
+        doors = self.layout.doors[room]
+        shortest = [a for a in doors if self.is_shortest(room, goal, a)]
         return {a: (1 - self.eps) * (a in shortest) / len(shortest) + self.eps / len(doors) for a in doors}
 
     def is_shortest(self, room: int, goal: int, door: int) -> bool:
         return self.layout.distance[door][goal] < self.layout.distance[room][goal]
 
-    def backwards(self) -> list[Full]:
-        """The states by steps used, last first: every move uses a step, so a state's successors come before it."""
-        return sorted(self.states, key=lambda s: -s[3])
-
     def outcome(self, state: Full, door: int) -> tuple[float, Full | None, bool]:
-        """(reward, next state or None when the episode ends, whether it ended on the time limit)."""
-        room, goal, d0, k = state
-        if door == goal:
-            return d0 / (k + 1), None, False
-        if k + 1 >= self.limit:
-            return 0.0, (door, goal, d0, k + 1), True
-        return 0.0, (door, goal, d0, k + 1), False
+        """(reward, next state or None when the episode ends at the goal, whether it ended on the time limit)."""
+        after, reward, terminated, truncated = rooms.walk(self.layout, state, door, self.limit)
+        return reward, None if terminated else after, truncated
 
     def _true_values(self) -> tuple[dict[Full, float], dict[tuple[Full, int], float]]:
         values, q = {}, {}
-        for state in self.backwards():
+        for state in self.backwards:
             for door in self.policy(*state[:2]):
                 reward, after, timed_out = self.outcome(state, door)
                 q[state, door] = reward if after is None or timed_out else self.gamma * values[after]
@@ -76,11 +69,11 @@ class House:
     def _visits(self) -> dict[Full, float]:
         """Expected visits of each state per episode, (start, goal) uniform over the ordered pairs of rooms."""
         visits = dict.fromkeys(self.states, 0.0)
-        n, distance = self.layout.num_rooms, self.layout.distance
+        n = self.layout.num_rooms
         for start, goal in itertools.product(range(n), repeat=2):
             if start != goal:
-                visits[start, goal, distance[start][goal], 0] += 1 / (n * (n - 1))
-        for state in sorted(self.states, key=lambda s: s[3]):
+                visits[Full(start, goal, start, 0)] += 1 / (n * (n - 1))
+        for state in reversed(self.backwards):
             for door, p in self.policy(*state[:2]).items():
                 _, after, timed_out = self.outcome(state, door)
                 if after is not None and not timed_out:
@@ -98,13 +91,13 @@ class House:
 
     def full_state_head(self) -> Callable[[Full], float]:
         """The true value of the full state; 0 once the time limit is reached (nothing more can be paid)."""
-        return lambda state: self.values[state] if state[3] < self.limit else 0.0
+        return lambda state: self.values[state] if state.steps < self.limit else 0.0
 
     def expected_gae(self, head: Callable[[Full], float], lam: float) -> dict[tuple[Full, int], float]:
         """E[GAE advantage] of each (state, door) under the policy: the TD error plus gamma * lam times the next
         state's expected advantage; a timed-out episode bootstraps from the head's value of its next state."""
         advantage, expected = {}, {}
-        for state in self.backwards():
+        for state in self.backwards:
             for door in self.policy(*state[:2]):
                 reward, after, timed_out = self.outcome(state, door)
                 if after is None:

@@ -12,7 +12,7 @@ def test_shortest_walks_are_worth_gamma_to_the_steps_after_the_first():
     distance = house.layout.distance
     for start, goal in [(0, 1), (2, 5), (7, 3)]:
         d0 = distance[start][goal]
-        assert house.values[start, goal, d0, 0] == pytest.approx(0.9 ** (d0 - 1))
+        assert house.values[credit.Full(start, goal, start, 0)] == pytest.approx(0.9 ** (d0 - 1))
 
 
 def test_a_detour_costs_what_the_spl_says():
@@ -22,7 +22,7 @@ def test_a_detour_costs_what_the_spl_says():
     d = distance[room][goal]
     detour = next(a for a in doors[room] if not house.is_shortest(room, goal, a))
     steps = 1 + distance[detour][goal]
-    assert house.q[(room, goal, d, 0), detour] == pytest.approx(d / steps)
+    assert house.q[credit.Full(room, goal, room, 0), detour] == pytest.approx(d / steps)
 
 
 @pytest.mark.parametrize("lam", [0.0, 0.5, 1.0])
