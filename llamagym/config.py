@@ -57,6 +57,8 @@ class PPOConfig:
     # returns' scale) at `lam` (decoupled GAE, as VAPO's); None = `lam` for both; an experiment, not a default. Keep it
     # high where the reward hangs on what the prompt does not show (rooms' steps used): a head that cannot see it hands
     # a bad move little of its cost at a low lambda (benchmarks/lambda_credit.py)
+    pool_tail: bool = False  # with policy_lam set: give back, per (prompt, reply) of the batch, as much of the rest
+    # of the `lam` advantage as the batch shows is more than noise (estimators.pooled_tail); an experiment
     advantage: str = "gae"  # advantage estimator (llamagym.algos.estimators): gae (value head), or critic-free grpo,
     # rloo, rebn, gigpo; those ignore whiten_advantages (they center their own), the value head still trains
     group_std_scaling: bool = True  # grpo/gigpo: divide by the group's return std (False = Dr.GRPO's unscaled)
@@ -145,6 +147,7 @@ class PPOConfig:
                 "gamma": unit,
                 "lam": unit,
                 "policy_lam": (lambda v: v is None or unit[0](v), "None (= lam) or a number in the interval [0, 1]"),
+                "pool_tail": flag,
                 "advantage": (
                     lambda v: v in estimators.names(),
                     f"one of {', '.join(estimators.names())} (llamagym.algos.estimators)",
@@ -199,6 +202,11 @@ class PPOConfig:
                 "`barrier_relative=True` makes the barrier's floor a fraction of the reference model's probabilities, "
                 "and `barrier_floor` is 0. Set barrier_floor (e.g. 0.25: a candidate is held once it falls under a "
                 "quarter of where the untrained model put it), or barrier_relative=False."
+            )
+        if self.pool_tail and (self.policy_lam is None or self.policy_lam == self.lam):
+            raise ValueError(
+                "`pool_tail=True` gives the policy back part of the `lam` advantage over its `policy_lam` one, and "
+                f"`policy_lam` is {self.policy_lam} (= lam). Set policy_lam below lam (e.g. 0.5), or pool_tail=False."
             )
         if self.evidence_kl is not None and self.max_kl is None:
             raise ValueError(

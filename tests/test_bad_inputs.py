@@ -219,6 +219,8 @@ CASES = [
         ValueError, "`gamma` should be in the interval [0, 1]. Received 1.5."),
     row("config-policy-lam-above-one", lambda c: PPOConfig(policy_lam=2),
         ValueError, "`policy_lam` should be None (= lam) or a number in the interval [0, 1]. Received 2."),
+    row("config-pool-tail-without-policy-lam", lambda c: PPOConfig(pool_tail=True),
+        ValueError, ("`pool_tail=True` gives the policy back part of the `lam` advantage", "Set policy_lam below lam")),
     row("config-batch-size-float", lambda c: PPOConfig(batch_size=2.5),
         ValueError, "`batch_size` should be an integer >= 1. Received 2.5."),
     row("config-min-batch-turns-negative", lambda c: PPOConfig(min_batch_turns=-1),

@@ -135,6 +135,38 @@ def test_gae_without_values_raises_and_gigpo_without_step_keys_raises():
         estimators.gigpo(batch_of([[1.0]], [0]), 1.0)
 
 
+# pooled_tail: tail D = high - low per turn, groups by (state, reply) key
+def test_pooled_tail_gives_back_each_groups_shrunk_mean_tail():
+    # D = (2, 0 | -1, -1 | 3), n = (2, 2, 1): group means (1, -1, 3), m = 0.6; sigma2 = (1 + 1) / 2 = 1;
+    # tau2 = (0.4^2 + 1.6^2 + 2.4^2) / 2 - (1/2 + 1/2 + 1) / 3 = 4.24 - 2/3; w = tau2 / (tau2 + 1/n)
+    low, key = torch.tensor([0.5, -0.5, 0.0, 1.0, 0.0]), torch.tensor([7, 7, 3, 3, 9])
+    adv, stats = estimators.pooled_tail(low, low + torch.tensor([2.0, 0.0, -1.0, -1.0, 3.0]), key)
+    tau2 = 4.24 - 2 / 3
+    w2, w1 = tau2 / (tau2 + 0.5), tau2 / (tau2 + 1.0)  # 0.877250, 0.781341
+    expected = [0.5 + 0.6 + 0.4 * w2, -0.5 + 0.6 + 0.4 * w2, 0.6 - 1.6 * w2, 1.6 - 1.6 * w2, 0.6 + 2.4 * w1]
+    assert_close(adv, torch.tensor(expected))
+    assert_close(adv, torch.tensor([1.45090, 0.45090, -0.80360, 0.19640, 2.47522]), atol=1e-5, rtol=0)
+    assert stats["adv/tail_signal"] == pytest.approx(tau2) and stats["adv/tail_noise"] == pytest.approx(1.0)
+    assert stats["adv/tail_weight"] == pytest.approx((4 * w2 + w1) / 5)
+
+
+def test_pooled_tail_keeps_a_systematic_tail_and_drops_a_noisy_one():
+    low = torch.zeros(5)
+    systematic = torch.tensor([1.0, 1.0, -1.0, -1.0, 0.5])  # the same within each group: the high lambda's, whole
+    adv, stats = estimators.pooled_tail(low, systematic, torch.tensor([0, 0, 1, 1, 2]))
+    assert_close(adv, systematic)
+    assert stats["adv/tail_weight"] == 1.0
+    noisy = torch.tensor([1.0, -1.0, 1.0, -1.0])  # group means equal: nothing but noise, the low lambda's (+ m = 0)
+    adv, stats = estimators.pooled_tail(low[:4], noisy, torch.tensor([0, 0, 1, 1]))
+    assert adv.tolist() == [0.0] * 4 and stats["adv/tail_weight"] == 0.0
+
+
+def test_pooled_tail_without_a_repeated_group_keeps_the_low_lambda_shifted_by_the_mean_tail():
+    adv, stats = estimators.pooled_tail(torch.tensor([1.0, 2.0]), torch.tensor([2.0, 5.0]), torch.tensor([0, 1]))
+    assert adv.tolist() == [3.0, 4.0] and stats["adv/tail_weight"] == 0.0  # + m = 2: whitening removes it
+    assert math.isnan(stats["adv/tail_noise"])
+
+
 def test_equal_returns_up_to_float_noise_count_as_a_zero_variance_group():
     adv, _, stats = estimators.grpo(batch_of([[1.0], [1.0 + 1e-7], [0.0], [1.0]], [0, 0, 1, 1]), 1.0)
     assert adv[:2].tolist() == [0.0, 0.0] and stats["adv/zero_variance_groups"] == 1.0

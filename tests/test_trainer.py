@@ -114,6 +114,19 @@ def test_policy_lam_decouples_the_advantages_from_the_value_targets(model, lora_
     assert advantages.tolist() == [0.125, 0.75] and returns.tolist() == [0.625, 1.0]  # -0.25 + 0.5 x 0.75
 
 
+def test_pool_tail_gives_a_repeated_reply_back_its_lam_advantage(model, lora_config, tokenizer):
+    # the same two-turn episode twice (V = 0.5, 0.25; reward 1): each turn's (prompt, reply) group has a tail
+    # (lambda 1 minus lambda 0: 0.5 + 0.25 at the first turn, 0 at the second) that is the same every time, so the
+    # pooled advantages are the lambda-1 ones
+    episode = Episode([Turn([1, 2], [3]), Turn([1, 2, 3, 4], [5], reward=1.0)])
+    rewards, values = torch.tensor([0.0, 1.0] * 2), torch.tensor([0.5, 0.25] * 2)
+    trainer = make_trainer(model, lora_config, tokenizer, gamma=1.0, lam=1.0, policy_lam=0.0, pool_tail=True)
+    advantages, returns, stats = trainer._advantages([episode, episode], rewards, values)
+    torch.testing.assert_close(advantages, torch.tensor([0.5, 0.75] * 2))
+    assert returns.tolist() == [1.0] * 4
+    assert stats["adv/tail_weight"] == 1.0
+
+
 def test_nan_reward_skips_the_step_and_keeps_weights(model, lora_config, tokenizer):
     trainer = make_trainer(model, lora_config, tokenizer)
     before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}

@@ -40,6 +40,8 @@ class AdvantageBatch(NamedTuple):
     values: Tensor | None = None  # (T,) float: V(s) of the turn's state; needed by `gae` only
     bootstrap: Tensor | None = None  # (E,) float: V(next state) of truncated episodes (unused where terminal)
     step_key: Tensor | None = None  # (T,) long: the state (e.g. prompt) the turn acted in; needed by `gigpo` only
+    action_key: Tensor | None = None  # (T,) long: the (state, reply) pair the turn took; read by the trainer's
+    # `pool_tail`, by no estimator
 
 
 class Estimate(NamedTuple):
@@ -134,6 +136,41 @@ def group_centered(x: Tensor, group: Tensor, scale: bool, leave_one_out: bool = 
             centered = centered / (var.sqrt()[inverse] + EPS)
     centered = torch.where(equal[inverse], torch.zeros_like(centered), centered)
     return centered, n, equal
+
+
+def pooled_tail(low: Tensor, high: Tensor, key: Tensor) -> tuple[Tensor, dict[str, float]]:
+    """Advantages at a low lambda given back, per (state, reply), as much of a higher lambda's as the batch shows
+    to be more than noise: an empirical-Bayes shrinkage of the tail D = high - low over groups of equal `key`.
+
+    A_t = low_t + m + w_g (mean_g D - m),  w_g = τ² / (τ² + σ² / n_g),  m = mean D over the batch;
+    σ² = the pooled within-group variance of D (Σ (n_g - 1) degrees of freedom), τ² = max(0, Σ_g (mean_g D - m)² /
+    (G - 1) - mean_g σ² / n_g) (method of moments). A group's summed advantage (what a whole-batch step sees for its
+    identical inputs) is then the high lambda's where its tail is systematic (a cost the value head cannot see, the
+    same each time: w -> 1), the low lambda's where the tail is the noise of later draws (w -> 0). With no group of
+    two or more (σ² unknown) or a single group, w = 0. A zero-variance tail gives w = 1.
+
+    Args:
+        low, high: (T,) advantages of the same turns at the two lambdas. key: (T,) long, a turn's (state, reply) id.
+    Returns:
+        (T,) advantages; stats adv/tail_weight (w averaged over turns), adv/tail_signal (τ²), adv/tail_noise (σ²).
+    """
+    tail = high - low
+    ids, inverse = torch.unique(key, return_inverse=True)
+    n = torch.zeros(len(ids), dtype=tail.dtype, device=tail.device).index_add_(0, inverse, torch.ones_like(tail))
+    mean = torch.zeros_like(n).index_add_(0, inverse, tail) / n
+    m = tail.mean()
+    dof = float((n - 1).sum())
+    if dof == 0 or len(ids) < 2:
+        weight = torch.zeros_like(n)
+        sigma2 = tau2 = torch.full((), float("nan"))
+    else:
+        sigma2 = ((tail - mean[inverse]) ** 2).sum() / dof
+        tau2 = (((mean - m) ** 2).sum() / (len(ids) - 1) - (sigma2 / n).mean()).clamp(min=0.0)
+        denominator = tau2 + sigma2 / n
+        weight = torch.where(denominator > 0, tau2 / denominator.clamp(min=torch.finfo(n.dtype).tiny), 1.0)
+    advantages = low + m + weight[inverse] * (mean[inverse] - m)
+    stats = {"adv/tail_weight": float(weight[inverse].mean()), "adv/tail_signal": float(tau2)}
+    return advantages, {**stats, "adv/tail_noise": float(sigma2)}
 
 
 def _group_stats(n: Tensor, equal: Tensor) -> dict[str, float]:

@@ -778,13 +778,18 @@ class PPOTrainer:
 
     def _estimate(self, batch: estimators.AdvantageBatch) -> estimators.Estimate:
         """The configured estimator on `batch`. With `PPOConfig.policy_lam` set (and a value-based estimator), the
-        advantages are its estimate at that lambda and the returns (the value head's targets) its estimate at `lam`."""
+        advantages are its estimate at that lambda and the returns (the value head's targets) its estimate at `lam`;
+        with `pool_tail` as well, the advantages get back part of the `lam` estimate's (`estimators.pooled_tail`)."""
         cfg = self.config
         estimate = self.estimator(batch, cfg.gamma, cfg.lam, cfg.group_std_scaling)
         if cfg.policy_lam is None or cfg.policy_lam == cfg.lam or not self.estimator.needs_value:
             return estimate
         for_policy = self.estimator(batch, cfg.gamma, cfg.policy_lam, cfg.group_std_scaling)
-        return estimators.Estimate(for_policy.advantages, estimate.returns, {**estimate.stats, **for_policy.stats})
+        advantages, stats = for_policy.advantages, {**estimate.stats, **for_policy.stats}
+        if cfg.pool_tail:
+            advantages, pooled = estimators.pooled_tail(advantages, estimate.advantages, batch.action_key)
+            stats.update(pooled)
+        return estimators.Estimate(advantages, estimate.returns, stats)
 
     @torch.no_grad()
     def _advantage_batch(self, episodes: list[Episode], rewards: torch.Tensor, values: torch.Tensor):
@@ -792,7 +797,7 @@ class PPOTrainer:
 
         Value-based estimators (gae) get the bootstrap values of truncated episodes: V of their next prompt, or of
         their last state when they have none. Every estimator gets each episode's group (`episode_groups`) and each
-        turn's step key, an id of its prompt (`distinct_prompts`).
+        turn's step key, an id of its prompt (`distinct_prompts`), and action key, an id of its (prompt, reply).
 
         Data-parallel, the estimator runs on every rank's turns at once (gathered in rank order, groups and step
         keys numbered over all of them), so a group split across ranks is one group, as in one process.
@@ -815,11 +820,11 @@ class PPOTrainer:
         terminal = torch.tensor([not e.truncated for e in episodes], device=device)
         group_keys = [_group_key(e) for e in episodes]
         step_keys = [tuple(turn.prompt_ids) for episode in episodes for turn in episode.turns]
+        action_keys = [(tuple(turn.prompt_ids), tuple(turn.response_ids)) for e in episodes for turn in e.turns]
         mine = slice(0, len(rewards))
         if distributed.is_distributed():
-            parts = distributed.all_gather_objects((group_keys, step_keys))
-            group_keys = [key for keys, _ in parts for key in keys]
-            step_keys = [key for _, keys in parts for key in keys]
+            parts = distributed.all_gather_objects((group_keys, step_keys, action_keys))
+            group_keys, step_keys, action_keys = ([key for part in parts for key in part[i]] for i in range(3))
             rewards, sizes = distributed.all_gather_cat(rewards)
             values, counts, terminal = (distributed.all_gather_cat(x)[0] for x in (values, counts, terminal))
             if bootstrap is not None:
@@ -834,6 +839,7 @@ class PPOTrainer:
             values=values,
             bootstrap=bootstrap,
             step_key=numbered(step_keys).to(device),
+            action_key=numbered(action_keys).to(device),
         )
         return batch, mine
 
