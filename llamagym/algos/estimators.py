@@ -40,8 +40,8 @@ class AdvantageBatch(NamedTuple):
     values: Tensor | None = None  # (T,) float: V(s) of the turn's state; needed by `gae` only
     bootstrap: Tensor | None = None  # (E,) float: V(next state) of truncated episodes (unused where terminal)
     step_key: Tensor | None = None  # (T,) long: the state (e.g. prompt) the turn acted in; needed by `gigpo` only
-    action_key: Tensor | None = None  # (T,) long: the (state, reply) pair the turn took; read by the trainer's
-    # `pool_tail`, by no estimator
+    action_key: Tensor | None = None  # (T,) long: the (state, reply) pair the turn took; set and read by the
+    # trainer under `pool_tail` only, by no estimator
 
 
 class Estimate(NamedTuple):
@@ -110,6 +110,14 @@ def episode_returns(returns: Tensor, episode: Tensor, num_episodes: int) -> Tens
     return returns[first]
 
 
+def _group_sums(x: Tensor, group: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(each member's group index (N,), per group in sorted id order: member counts (G,), sums of x (G,)).
+    group: (N,) ids, or (N, K) rows of ids (a group per distinct row)."""
+    ids, inverse = torch.unique(group, dim=0, return_inverse=True)
+    n = torch.zeros(len(ids), dtype=x.dtype, device=x.device).index_add_(0, inverse, torch.ones_like(x))
+    return inverse, n, torch.zeros_like(n).index_add_(0, inverse, x)
+
+
 def group_centered(x: Tensor, group: Tensor, scale: bool, leave_one_out: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """x minus its group's mean (/ the group's std + EPS when `scale`; the std is Bessel-corrected), 0 on every
     member of a group whose x are all equal (a group of one included). `leave_one_out` subtracts instead the
@@ -120,9 +128,7 @@ def group_centered(x: Tensor, group: Tensor, scale: bool, leave_one_out: bool = 
     Returns:
         (N,) centered x; per group (in sorted id order): (G,) member counts, (G,) bool "all x equal".
     """
-    ids, inverse = torch.unique(group, dim=0, return_inverse=True)
-    n = torch.zeros(len(ids), dtype=x.dtype, device=x.device).index_add_(0, inverse, torch.ones_like(x))
-    total = torch.zeros_like(n).index_add_(0, inverse, x)
+    inverse, n, total = _group_sums(x, group)
     mean = total / n
     high = torch.full_like(n, -torch.inf).scatter_reduce(0, inverse, x, "amax")
     low = torch.full_like(n, torch.inf).scatter_reduce(0, inverse, x, "amin")
@@ -155,17 +161,15 @@ def pooled_tail(low: Tensor, high: Tensor, key: Tensor) -> tuple[Tensor, dict[st
         (T,) advantages; stats adv/tail_weight (w averaged over turns), adv/tail_signal (τ²), adv/tail_noise (σ²).
     """
     tail = high - low
-    ids, inverse = torch.unique(key, return_inverse=True)
-    n = torch.zeros(len(ids), dtype=tail.dtype, device=tail.device).index_add_(0, inverse, torch.ones_like(tail))
-    mean = torch.zeros_like(n).index_add_(0, inverse, tail) / n
-    m = tail.mean()
+    inverse, n, total = _group_sums(tail, key)
+    mean, m, groups = total / n, tail.mean(), len(n)
     dof = float((n - 1).sum())
-    if dof == 0 or len(ids) < 2:
+    if dof == 0 or groups < 2:
         weight = torch.zeros_like(n)
         sigma2 = tau2 = torch.full((), float("nan"))
     else:
         sigma2 = ((tail - mean[inverse]) ** 2).sum() / dof
-        tau2 = (((mean - m) ** 2).sum() / (len(ids) - 1) - (sigma2 / n).mean()).clamp(min=0.0)
+        tau2 = (((mean - m) ** 2).sum() / (groups - 1) - (sigma2 / n).mean()).clamp(min=0.0)
         denominator = tau2 + sigma2 / n
         weight = torch.where(denominator > 0, tau2 / denominator.clamp(min=torch.finfo(n.dtype).tiny), 1.0)
     advantages = low + m + weight[inverse] * (mean[inverse] - m)

@@ -797,7 +797,7 @@ class PPOTrainer:
 
         Value-based estimators (gae) get the bootstrap values of truncated episodes: V of their next prompt, or of
         their last state when they have none. Every estimator gets each episode's group (`episode_groups`) and each
-        turn's step key, an id of its prompt (`distinct_prompts`), and action key, an id of its (prompt, reply).
+        turn's step key, an id of its prompt (`distinct_prompts`); under `pool_tail`, an id of its (prompt, reply).
 
         Data-parallel, the estimator runs on every rank's turns at once (gathered in rank order, groups and step
         keys numbered over all of them), so a group split across ranks is one group, as in one process.
@@ -820,7 +820,10 @@ class PPOTrainer:
         terminal = torch.tensor([not e.truncated for e in episodes], device=device)
         group_keys = [_group_key(e) for e in episodes]
         step_keys = [tuple(turn.prompt_ids) for episode in episodes for turn in episode.turns]
-        action_keys = [(tuple(turn.prompt_ids), tuple(turn.response_ids)) for e in episodes for turn in e.turns]
+        pooled, action_keys = self.config.pool_tail, []  # (prompt, reply) keys only where pool_tail reads them
+        if pooled:
+            replies = (tuple(turn.response_ids) for episode in episodes for turn in episode.turns)
+            action_keys = list(zip(step_keys, replies, strict=True))
         mine = slice(0, len(rewards))
         if distributed.is_distributed():
             parts = distributed.all_gather_objects((group_keys, step_keys, action_keys))
@@ -839,7 +842,7 @@ class PPOTrainer:
             values=values,
             bootstrap=bootstrap,
             step_key=numbered(step_keys).to(device),
-            action_key=numbered(action_keys).to(device),
+            action_key=numbered(action_keys).to(device) if pooled else None,
         )
         return batch, mine
 
