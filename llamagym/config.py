@@ -70,6 +70,9 @@ class PPOConfig:
     vf_coef: float = 0.5  # weight of the value loss
     value_refit: float | None = 1.0  # after each update refit the value head by ridge regression on the batch's
     # returns, with this relative damping (ppo.ridge_refit); None = value-loss steps only
+    turn_values: int = 0  # gae: the value head also learns a value for each turn's index in its episode (0 .. N - 1,
+    # later turns sharing the last), added to its own, so it can price time spent that the prompt does not show
+    # (algos/turn_values.py); 0 = off; an experiment, not a default
     ent_coef: float = 0.0  # weight of the entropy bonus on response tokens
     entropy_floor: float | None = 0.1  # scoring mode: while the sampled choices' mean entropy (as a fraction of the
     # most: entropy / ln(candidates)) is below this, an entropy bonus on the turns below it grows (ppo.EntropyFloor);
@@ -159,6 +162,7 @@ class PPOConfig:
                 "vf_clip_coef": (lambda v: v is None or (_num(v) and v > 0), "None or a number > 0"),
                 "vf_coef": non_negative,
                 "value_refit": (lambda v: v is None or (_num(v) and v > 0), "None or a number > 0"),
+                "turn_values": (lambda v: _int(v) and v >= 0, "an integer >= 0 (0 = off)"),
                 "ent_coef": non_negative,
                 "entropy_floor": (lambda v: v is None or (_num(v) and 0 < v < 1), "None (off) or a number in (0, 1)"),
                 "entropy_floor_step": positive,
@@ -207,6 +211,12 @@ class PPOConfig:
             raise ValueError(
                 "`pool_tail=True` gives the policy back part of the `lam` advantage over its `policy_lam` one, and "
                 f"`policy_lam` is {self.policy_lam} (= lam). Set policy_lam below lam (e.g. 0.5), or pool_tail=False."
+            )
+        if self.turn_values and (self.value_refit is None or self.advantage != "gae"):
+            raise ValueError(
+                f"`turn_values={self.turn_values}` adds a value per turn index to the value head's, fit by its ridge "
+                f"refit, and the config has value_refit={self.value_refit}, advantage={self.advantage!r}. Set "
+                "value_refit (e.g. 1.0) and advantage='gae', or turn_values=0."
             )
         if self.evidence_kl is not None and self.max_kl is None:
             raise ValueError(

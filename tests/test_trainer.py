@@ -127,6 +127,35 @@ def test_pool_tail_gives_a_repeated_reply_back_its_lam_advantage(model, lora_con
     assert stats["adv/tail_weight"] == 1.0
 
 
+def test_turn_values_enter_the_old_values_and_a_truncated_episode_s_bootstrap(model, lora_config, tokenizer):
+    # the head starts at 0, so before any refit V(s, t) is the turn value alone
+    trainer = make_trainer(model, lora_config, tokenizer, turn_values=3, gamma=1.0, lam=1.0)
+    trainer.turn_values.copy_(torch.tensor([0.0, 0.25, 0.5]))
+    stats = trainer.step(make_episodes())  # two episodes of one turn, two of two
+    assert stats["ppo/values_mean"] == pytest.approx((0 + 0 + 0.25 + 0 + 0 + 0.25) / 6)
+    trainer = make_trainer(model, lora_config, tokenizer, turn_values=3, gamma=1.0, lam=1.0)  # its head at 0 again
+    trainer.turn_values.copy_(torch.tensor([0.0, 0.25, 0.5]))
+    truncated = Episode([Turn([1, 2], [3]), Turn([1, 2, 3, 4], [5], reward=1.0)], True, [1, 2, 3, 4, 5, 6])
+    values = torch.tensor([0.0, 0.25])
+    _, returns, _ = trainer._advantages([truncated], torch.tensor([0.0, 1.0]), values)
+    assert returns.tolist() == [1.5, 1.5]  # rewards 0 + 1, then V(next state) = 0 + turn value [2] = 0.5
+
+
+def test_turn_values_learn_what_the_prompt_does_not_show(model, lora_config, tokenizer):
+    # every turn has the same prompt and reply, and its return is 0.5 at the first turn and 1 at the second
+    # (gamma 0.5): no head of the prompt can tell them apart, the turn values can
+    episodes = [Episode([Turn([1, 2], [3]), Turn([1, 2], [3], reward=1.0)]) for _ in range(4)]
+    plain = make_trainer(model, lora_config, tokenizer, gamma=0.5, lam=1.0).step(episodes)
+    trainer = make_trainer(model, lora_config, tokenizer, gamma=0.5, lam=1.0, turn_values=2)
+    stats = trainer.step(episodes)
+    assert abs(plain["ppo/value_refit_ev"]) < 1e-6 and stats["ppo/value_refit_ev"] > 0.1
+    assert trainer.turn_values[1] > trainer.turn_values[0]
+    assert stats["ppo/turn_value_range"] == pytest.approx(float(trainer.turn_values[1] - trainer.turn_values[0]))
+    restored = make_trainer(model, lora_config, tokenizer, gamma=0.5, lam=1.0, turn_values=2)
+    restored.load_state_dict(trainer.state_dict())
+    assert torch.equal(restored.turn_values, trainer.turn_values)
+
+
 def test_nan_reward_skips_the_step_and_keeps_weights(model, lora_config, tokenizer):
     trainer = make_trainer(model, lora_config, tokenizer)
     before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}

@@ -48,7 +48,7 @@ from .. import distributed
 from ..config import PPOConfig, ReplayConfig
 from ..models.host_memory import FreedMemoryBound
 from ..models.policy import Policy
-from . import estimators, evidence, ppo
+from . import estimators, evidence, ppo, turn_values
 from .averaging import WeightAverage
 from .holding import HeldInputs, held_outputs
 from .modes import ActionMode, Recalled, mode_of
@@ -136,6 +136,9 @@ class PPOTrainer:
         self.ent_coef = config.ent_coef  # this update's entropy bonus weight: ent_coef + the floor's (see `step`)
         self._barrier = config.barrier  # this update's log-barrier weight (0 on a batch of equal returns)
         self._turn_weights: torch.Tensor | None = None  # each turn's weight from its state's count (None: all 1)
+        # a value per turn index added to the head's (`PPOConfig.turn_values`), and this update's turns' indices
+        self.turn_values = torch.zeros(config.turn_values, device=policy.device) if config.turn_values else None
+        self._turn_index: torch.Tensor | None = None
         self._entropy_weights: torch.Tensor | None = None  # that weight per turn of the batch (None: no bonus)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.num_updates = 0
@@ -202,6 +205,11 @@ class PPOTrainer:
         if keep:
             recalled = mode.recall(acted(mode), turns, batch)
         old_logprobs, old_values, old_dists, features = self._score(data, plans[0], reference=False, recalled=recalled)
+        self._turn_index = None
+        if self.turn_values is not None:  # V(s, t): the head's value of the prompt plus its turn index's
+            lengths = torch.tensor([len(e.turns) for e in episodes], device=old_values.device)
+            self._turn_index = turn_values.turn_indices(lengths, len(self.turn_values))
+            old_values = old_values + self.turn_values[self._turn_index]
         ref_dists = None  # the reference's candidate distributions: only a relative barrier floor needs them
         relative = bool(cfg.barrier and cfg.barrier_relative and old_dists is not None)
         if self.kl_controller.value == 0 and not cfg.adaptive_kl and not relative:
@@ -319,9 +327,13 @@ class PPOTrainer:
 
         # 5. refit the value head to this batch's returns (its AdamW steps alone barely move it in a few steps)
         if features is not None:
-            refit_ev = self._refit_value(distributed.all_gather_cat(features)[0], returns)
+            turn_rows = distributed.all_gather_cat(self._turn_index)[0] if self._turn_index is not None else None
+            refit_ev = self._refit_value(distributed.all_gather_cat(features)[0], returns, turn_rows)
             if math.isfinite(refit_ev):  # undefined when every return is equal
                 spread["ppo/value_refit_ev"] = refit_ev
+            if turn_rows is not None:  # how far apart the turn values of this batch's turn indices are
+                seen = self.turn_values[torch.unique(turn_rows)]
+                spread["ppo/turn_value_range"] = float(seen.max() - seen.min())
         refitted = self.policy.version
 
         # 6. adapt the KL coefficient toward its target
@@ -552,18 +564,28 @@ class PPOTrainer:
         return features
 
     @torch.no_grad()
-    def _refit_value(self, features: torch.Tensor, returns: torch.Tensor) -> float:
-        """Refit the value head by ridge regression toward this batch's returns (`ppo.ridge_refit`); returns the
-        refit head's explained variance on the batch."""
-        linear = self.policy.value_head.linear
-        weight, bias = ppo.ridge_refit(features, returns, linear.weight, linear.bias, self.config.value_refit)
-        if not (torch.isfinite(weight).all() and torch.isfinite(bias).all()):
+    def _refit_value(self, features: torch.Tensor, returns: torch.Tensor, turns: torch.Tensor | None = None) -> float:
+        """Refit the value head by ridge regression toward this batch's returns (`ppo.ridge_refit`), with the turn
+        values where kept (`turns`: each row's turn index; `turn_values.refit`); returns the refit head's explained
+        variance on the batch."""
+        linear, damping = self.policy.value_head.linear, self.config.value_refit
+        if turns is None:
+            weight, bias = ppo.ridge_refit(features, returns, linear.weight, linear.bias, damping)
+            by_turn = None
+        else:
+            weight, bias, by_turn = turn_values.refit(
+                features, turns, returns, linear.weight, linear.bias, self.turn_values, damping
+            )
+        if not all(torch.isfinite(x).all() for x in (weight, bias, *([] if by_turn is None else [by_turn]))):
             logger.warning("value_refit gave non-finite weights; the value head keeps its value-loss steps only")
             return float("nan")
         linear.weight.copy_(weight)
         linear.bias.copy_(bias)
         self._moved()  # values acting remembered are stale, even if no policy step was taken
         fitted = (features @ weight.T).squeeze(-1) + bias
+        if by_turn is not None:
+            self.turn_values.copy_(by_turn)
+            fitted = fitted + by_turn[turns]
         return float(ppo.explained_variance(fitted, returns, torch.ones_like(returns)))
 
     def _minibatch_loss(self, data: UpdateBatch, index: torch.Tensor) -> dict | None:
@@ -596,6 +618,8 @@ class PPOTrainer:
             pg_loss, clipfrac = ppo.policy_loss(
                 logprobs, old, part_advantages, part_mask, cfg.clip_coef, **self._loss_options
             )
+            if self._turn_index is not None:
+                values = values + self.turn_values[self._turn_index[part]]
             v_loss, v_clipfrac = ppo.value_loss(
                 values, data.old_values[part], data.returns[part], torch.ones_like(values), cfg.vf_clip_coef
             )
@@ -813,6 +837,9 @@ class PPOTrainer:
                     [episodes[i].bootstrap_prompt_ids for i in truncated], self.pad_token_id, self.policy.device
                 )
                 bootstrap[truncated] = self.policy(*prompts).values.to(bootstrap.dtype)
+                if self.turn_values is not None:  # the next state's turn index is the episode's length
+                    later = torch.tensor([len(episodes[i].turns) for i in truncated], device=device)
+                    bootstrap[truncated] += self.turn_values[later.clamp(max=len(self.turn_values) - 1)]
             last = (counts.cumsum(0) - 1).tolist()
             for i, episode in enumerate(episodes):
                 if episode.truncated and not episode.bootstrap_prompt_ids:  # no next state: bootstrap from V(s_T-1)
@@ -951,6 +978,7 @@ class PPOTrainer:
             "entropy_floor": self.entropy_floor.state_dict() if self.entropy_floor is not None else None,
             "average": self.average.state_dict() if self.average is not None else None,
             "held": self.held.state_dict() if self.held is not None else None,
+            "turn_values": self.turn_values.clone() if self.turn_values is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -972,6 +1000,8 @@ class PPOTrainer:
             self.average.load_state_dict(state["average"])
         if self.held is not None and state.get("held") is not None:  # absent before hold_batches existed
             self.held.load_state_dict(state["held"])
+        if self.turn_values is not None and state.get("turn_values") is not None:  # absent before turn_values existed
+            self.turn_values.copy_(state["turn_values"])
 
 
 class _Measured(NamedTuple):
