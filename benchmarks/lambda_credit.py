@@ -9,12 +9,15 @@ that takes a shortest-path door with probability 1 - eps and a uniformly drawn d
 
 - `prompt head`: the best function of (room, goal), the on-policy occupancy-weighted mean of the true values (the
   value a head fit to Monte-Carlo returns tends to), with the time limit bootstrapped from it as the trainer does;
+- `prompt + turn head`: the best head of the form f(room, goal) + b[steps used] (visit-weighted least squares of
+  the true values, the least-norm one), what a value head of the prompt with a value per turn index can be at best
+  (`PPOConfig.turn_values`); the time limit bootstraps from f(room, goal) + b[limit], b[limit] never fit (0);
 - `full-state head`: the true value of the full state (0 once time is up), for which GAE's expected advantage is
   Q - V at every lambda.
 
 Each figure is the credit gap: GAE's expected advantage of the shortest doors minus that of the other doors, as a
 fraction of the true gap Q(shortest) - Q(detour), averaged over the states the policy visits (weighted by visits).
-The eighty-second session's notebook section (docs/learning-that-holds.md) reads it.
+The eighty-second and eighty-fourth sessions' notebook sections (docs/learning-that-holds.md) read it.
 
     python benchmarks/lambda_credit.py
 """
@@ -24,6 +27,8 @@ from __future__ import annotations
 import argparse
 import itertools
 from collections.abc import Callable
+
+import torch
 
 from llamagym.envs import rooms
 
@@ -89,6 +94,20 @@ class House:
         head = {key: total[key] / weight[key] if weight[key] > 0 else 0.0 for key in total}
         return lambda state: head[state[:2]]
 
+    def turn_head(self) -> Callable[[Full], float]:
+        """The best head f(room, goal) + b[steps used]: visit-weighted least squares over the visited states, the
+        least-norm solution (f and b share a constant); b[limit], for the time limit's bootstrap, is never fit: 0."""
+        visited = [state for state, visits in self.visits.items() if visits > 0]
+        pairs = {key: i for i, key in enumerate(sorted({state[:2] for state in self.states}))}
+        rows = torch.zeros(len(visited), len(pairs) + self.limit + 1, dtype=torch.float64)
+        for row, state in enumerate(visited):
+            rows[row, pairs[state[:2]]] = rows[row, len(pairs) + state.steps] = 1.0
+        weight = torch.tensor([self.visits[state] for state in visited], dtype=torch.float64).sqrt()
+        values = torch.tensor([self.values[state] for state in visited], dtype=torch.float64)
+        fit = torch.linalg.lstsq(rows * weight[:, None], (values * weight)[:, None], driver="gelsd").solution
+        coef = fit.squeeze(-1).tolist()
+        return lambda state: coef[pairs[state[:2]]] + coef[len(pairs) + state.steps]
+
     def full_state_head(self) -> Callable[[Full], float]:
         """The true value of the full state; 0 once the time limit is reached (nothing more can be paid)."""
         return lambda state: self.values[state] if state.steps < self.limit else 0.0
@@ -142,7 +161,12 @@ def main(argv: list[str] | None = None) -> None:
     print("| --- | --- |" + " --- |" * len(args.lams))
     for eps in args.eps:
         house = House(args.rooms, args.layout_seed, eps, args.gamma)
-        for name, head in (("prompt", house.prompt_head()), ("full state", house.full_state_head())):
+        heads = (
+            ("prompt", house.prompt_head()),
+            ("prompt + turn", house.turn_head()),
+            ("full state", house.full_state_head()),
+        )
+        for name, head in heads:
             figures = [house.credit(house.expected_gae(head, lam)) for lam in args.lams]
             print(f"| {eps:g} | {name} | " + " | ".join(f"{f:.3f}" for f in figures) + " |")
 

@@ -38,7 +38,14 @@ def test_the_prompt_head_hands_a_detour_less_of_its_cost_the_lower_lambda():
     assert figures == pytest.approx([0.125, 0.296, 0.861, 0.964], abs=1e-3)
 
 
+def test_a_value_per_turn_index_gives_a_low_lambda_back_much_of_a_detour_s_cost():
+    house = credit.House(eps=0.1)  # the suite's house
+    head = house.turn_head()
+    figures = [house.credit(house.expected_gae(head, lam)) for lam in (0.0, 0.5, 0.95, 1.0)]
+    assert figures == pytest.approx([0.423, 0.614, 0.946, 0.994], abs=1e-3)  # the prompt head's: 0.125, 0.296, 0.861
+
+
 def test_it_prints_a_row_per_eps_and_head(capsys):
     credit.main(["--eps", "0.1", "--lams", "0", "1"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 0.1 |")]
-    assert [row.split(" | ")[1] for row in rows] == ["prompt", "full state"]
+    assert [row.split(" | ")[1] for row in rows] == ["prompt", "prompt + turn", "full state"]
