@@ -576,7 +576,7 @@ class PPOTrainer:
             weight, bias, by_turn = turn_values.refit(
                 features, turns, returns, linear.weight, linear.bias, self.turn_values, damping
             )
-        if not all(torch.isfinite(x).all() for x in (weight, bias, *([] if by_turn is None else [by_turn]))):
+        if not all(torch.isfinite(x).all() for x in (weight, bias, by_turn) if x is not None):
             logger.warning("value_refit gave non-finite weights; the value head keeps its value-loss steps only")
             return float("nan")
         linear.weight.copy_(weight)

@@ -5,7 +5,7 @@ show (a score for the fewest moves, a time limit, rooms' d(start, goal) / steps)
 state after a detour as it prices it on the shortest way, and a bootstrapped advantage (GAE at a low lambda) hands the
 detour little of its cost (`benchmarks/lambda_credit.py`: 0.30 at lambda 0.5 on rooms). The one piece of that history
 every game has is the turn's index, so V(s, t) = head(s) + b[t]: on rooms' exact tables the best head of that form
-hands a detour 0.62 of its cost at lambda 0.5, and 0.95 at 0.95 (0.86 without). Time-aware values as in "Time Limits in
+hands a detour 0.61 of its cost at lambda 0.5, and 0.95 at 0.95 (0.86 without). Time-aware values as in "Time Limits in
 Reinforcement Learning" (Pardo et al., 2018).
 
 The values b (one per index, turns past the last sharing it) are fit with the head, by one ridge regression
