@@ -50,6 +50,6 @@ def refit(
     onehot = torch.nn.functional.one_hot(turns.long(), count).double() * scale
     both = torch.cat([features.double(), onehot], dim=1)
     start = torch.cat([weight.double(), (values.double() / scale).view(1, -1)], dim=1)
-    fitted, new_bias = ppo.ridge_refit(both, targets, start, bias.double(), damping)
-    new_weight, new_values = fitted[:, : features.shape[1]], fitted[0, features.shape[1] :] * scale
+    joint, new_bias = ppo.ridge_refit(both, targets, start, bias.double(), damping)  # (1, H + K): head, then turns
+    new_weight, new_values = joint[:, : features.shape[1]], joint[0, features.shape[1] :] * scale
     return new_weight.to(weight.dtype), new_bias.to(bias.dtype), new_values.to(values.dtype)
