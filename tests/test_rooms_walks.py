@@ -81,17 +81,28 @@ def test_uniform_doors_have_full_entropy():
 
 
 @pytest.mark.slow
-def test_a_quick_run_records_the_sampled_policy_at_each_evaluation(tmp_path):
+def test_the_probe_leaves_training_as_it_was(tmp_path):
+    # two updates of the tiny model, with the probe and without: the same episodes, losses and evaluations
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "benchmarks/rooms_walks.py", "--quick", "--threads", "1", "--output", str(tmp_path)]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (run,) = json.loads((tmp_path / "results.json").read_text())["runs"]
-    assert len(run["curve"]) == 2  # before training and at the end
-    for point in run["curve"]:
-        probed = point["probe"]
-        # the table's greedy walks are the evaluator's, for the weights it evaluated last (the latest ones)
-        assert probed["greedy"] == pytest.approx(point.get("latest_normalised", point["normalised"]))
-        assert -1 < probed["sampled"] < 1 and 0 < probed["entropy"] <= 1 and 0 < probed["on_shortest"] < 1
-        assert all(0 <= error["p_shortest"] < 1 and error["tasks"] for error in probed["errors"])
-    assert "seed 0: final" in done.stdout and "sampled" in done.stdout
+    flags = ["--model", "tiny-random", "--seeds", "0", "--budget", "0", "--min-updates", "2", "--eval-every", "1e9"]
+    flags += ["--num-envs", "4", "--threads", "1"]
+    runs = {}
+    for name, script in (("probed", "rooms_walks.py"), ("plain", "learning_suite.py")):
+        extra = [] if name == "probed" else ["--games", "rooms", "--modes", "score"]
+        cmd = [sys.executable, f"benchmarks/{script}", *flags, *extra, "--output", str(tmp_path / name)]
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        (runs[name],) = json.loads((tmp_path / name / "results.json").read_text())["runs"]
+    probed, plain = runs["probed"], runs["plain"]
+    assert probed["updates"] == plain["updates"] == 2 and probed["episodes"] == plain["episodes"]
+
+    def figures(logged: dict) -> dict:  # what training computed, without its clock
+        return {k: v for k, v in logged.items() if k != "train" and not k.startswith("time/")}
+
+    for a, b in zip(probed["updates_log"], plain["updates_log"], strict=True):
+        assert figures(a) == figures(b) and len(figures(a)) > 10
+    assert [p["normalised"] for p in probed["curve"]] == [p["normalised"] for p in plain["curve"]]
+    for point in probed["curve"]:  # before training and at the end
+        found = point["probe"]
+        assert -1 < found["sampled"] < 1 and -1 < found["greedy"] <= 1 and 0 < found["entropy"] <= 1
+        assert 0 < found["on_shortest"] < 1 and all(0 <= e["p_shortest"] < 1 and e["tasks"] for e in found["errors"])
