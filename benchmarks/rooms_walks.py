@@ -157,22 +157,21 @@ def sampled_table(agent) -> Policy:
     import torch
 
     mode, actor, system = agent.mode, agent.actor, agent.get_system_prompt()
-    keys = states(rooms.make_layout(agent.num_rooms, agent.layout_seed))
-    observations = [(room, goal) for room, goal in keys]
+    layout = rooms.make_layout(agent.num_rooms, agent.layout_seed)
+    keys = states(layout)  # each (room, goal) is also the observation
     prompts = [
-        agent.formatter.prompt_ids(system, [{"role": "user", "content": agent.format_observation(obs)}])[0]
-        for obs in observations
+        agent.formatter.prompt_ids(system, [{"role": "user", "content": agent.format_observation(key)}])[0]
+        for key in keys
     ]
-    candidates = [[actor.candidate_ids(text) for text in agent.action_candidates(obs)] for obs in observations]
+    candidates = [[actor.candidate_ids(text) for text in agent.action_candidates(key)] for key in keys]
     memory = actor.memory(mode)
     kept, rng = set(memory), torch.get_rng_state()
     mode.choose(actor, prompts, candidates, greedy=False)
     torch.set_rng_state(rng)
     table = {}
     for (room, goal), prompt, ids in zip(keys, prompts, candidates, strict=True):
-        doors = rooms.make_layout(agent.num_rooms, agent.layout_seed).doors[room]
         probabilities = memory[mode.key(prompt, ids)].logprobs.exp().tolist()
-        table[room, goal] = dict(zip(doors, probabilities, strict=True))
+        table[room, goal] = dict(zip(layout.doors[room], probabilities, strict=True))
     for key in set(memory) - kept:  # what acting computes in its own batches, not this probe's
         del memory[key]
     return table
