@@ -167,10 +167,4 @@ def report(path: Path) -> str:
 learning_suite.PROBES["guess_number"] = probe  # at import: a spawned run's child (--device cuda) registers it too
 
 if __name__ == "__main__":
-    argv = ["--games", "guess_number", "--modes", "score", "--probe", *sys.argv[1:]]
-    args = learning_suite.parse_args(argv)
-    if args.modes != ["score"]:
-        sys.exit("guess_number_states.py reads scoring mode's distributions: run it with --modes score (the default).")
-    code = learning_suite.main(argv)
-    print(report(Path(args.output) / "results.json"))
-    sys.exit(code)
+    sys.exit(learning_suite.probe_main("guess_number", report, sys.argv[1:]))

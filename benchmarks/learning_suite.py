@@ -522,5 +522,18 @@ def main(argv=None):
     return 1 if failed else 0
 
 
+def probe_main(game_name: str, report, argv: list[str]) -> int:
+    """`main` on one game in scoring mode with its registered probe (`PROBES`), then `report(results.json)` printed:
+    what a probe benchmark runs as a script (guess_number_states.py, rooms_walks.py)."""
+    argv = ["--games", game_name, "--modes", "score", "--probe", *argv]
+    args = parse_args(argv)
+    if args.modes != ["score"]:
+        name = Path(sys.argv[0]).name
+        sys.exit(f"{name} reads scoring mode's distributions: run it with --modes score (the default).")
+    code = main(argv)
+    print(report(Path(args.output) / "results.json"))
+    return code
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -209,10 +209,4 @@ def report(path: Path) -> str:
 learning_suite.PROBES["rooms"] = probe  # at import: a spawned run's child (--device cuda) registers it too
 
 if __name__ == "__main__":
-    argv = ["--games", "rooms", "--modes", "score", "--probe", *sys.argv[1:]]
-    args = learning_suite.parse_args(argv)
-    if args.modes != ["score"]:
-        sys.exit("rooms_walks.py reads scoring mode's distributions: run it with --modes score (the default).")
-    code = learning_suite.main(argv)
-    print(report(Path(args.output) / "results.json"))
-    sys.exit(code)
+    sys.exit(learning_suite.probe_main("rooms", report, sys.argv[1:]))

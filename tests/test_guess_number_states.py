@@ -75,7 +75,7 @@ def test_occupancy_of_binary_search():
 def test_probe_needs_a_registered_probe():
     learning_suite = load_benchmark()
     with pytest.raises(SystemExit):
-        learning_suite.parse_args(["--quick", "--games", "rooms", "--probe"])
+        learning_suite.parse_args(["--quick", "--games", "tictactoe", "--probe"])  # no probe registered
 
 
 @pytest.mark.slow
