@@ -20,10 +20,8 @@ The sixty-third session's notebook section (docs/learning-that-holds.md) reads f
 
 from __future__ import annotations
 
-import json
 import math
 import sys
-from pathlib import Path
 
 import learning_suite  # beside this file
 import numpy as np
@@ -146,25 +144,17 @@ def probe(agent) -> dict:
     return figures(sampled_table(agent, keys), keys)
 
 
-def report(path: Path) -> str:
-    """One line per evaluation of every run in `path` (a results.json)."""
-    lines = []
-    for run in json.loads(path.read_text())["runs"]:
-        lines.append(f"seed {run['seed']}: final {run.get('final')}")
-        for point in run.get("curve", []):
-            probed = point.get("probe", {})
-            wrong = [(tuple(e["state"]), e["guess"], round(e["p_guess"], 2), round(e["p_optimal"], 2)) for e in
-                     probed.get("errors", [])]  # fmt: skip
-            latest, sampled = point.get("latest_normalised", math.nan), probed.get("sampled", math.nan)
-            lines.append(
-                f"  {point['train']:6.0f} s, {point['updates']:4d} updates: greedy {point['normalised']:.3f} "
-                f"(latest {latest:.3f}), sampled {sampled:.3f}, entropy {probed.get('entropy', math.nan):.2f}, "
-                f"on optimal {probed.get('on_optimal', math.nan):.2f}; wrong (state, guess, p, p optimal): {wrong}"
-            )
-    return "\n".join(lines)
+def describe(probed: dict) -> list[str]:
+    """An evaluation's probe in words (`learning_suite.probe_report`)."""
+    wrong = [(tuple(e["state"]), e["guess"], round(e["p_guess"], 2), round(e["p_optimal"], 2)) for e in
+             probed.get("errors", [])]  # fmt: skip
+    return [
+        f"sampled {probed.get('sampled', math.nan):.3f}, entropy {probed.get('entropy', math.nan):.2f}, on optimal "
+        f"{probed.get('on_optimal', math.nan):.2f}; wrong (state, guess, p, p optimal): {wrong}"
+    ]
 
 
 learning_suite.PROBES["guess_number"] = probe  # at import: a spawned run's child (--device cuda) registers it too
 
 if __name__ == "__main__":
-    sys.exit(learning_suite.probe_main("guess_number", report, sys.argv[1:]))
+    sys.exit(learning_suite.probe_main("guess_number", describe, sys.argv[1:]))

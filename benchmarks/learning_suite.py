@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import multiprocessing as mp
 import os
 import platform
@@ -522,16 +523,33 @@ def main(argv=None):
     return 1 if failed else 0
 
 
-def probe_main(game_name: str, report, argv: list[str]) -> int:
-    """`main` on one game in scoring mode with its registered probe (`PROBES`), then `report(results.json)` printed:
-    what a probe benchmark runs as a script (guess_number_states.py, rooms_walks.py)."""
+def probe_report(path: Path, describe) -> str:
+    """One line per run of `path` (a results.json), then one per evaluation: the suite's greedy figures followed by
+    `describe(probe)`'s first line; its further lines after it (a probe benchmark's report)."""
+    lines = []
+    for run in json.loads(Path(path).read_text())["runs"]:
+        lines.append(f"seed {run['seed']}: final {run.get('final')}")
+        for point in run.get("curve", []):
+            first, *more = describe(point.get("probe", {}))
+            latest = point.get("latest_normalised", float("nan"))
+            lines.append(
+                f"  {point['train']:6.0f} s, {point['updates']:4d} updates: greedy {point['normalised']:.3f} "
+                f"(latest {latest:.3f}), {first}"
+            )
+            lines.extend(more)
+    return "\n".join(lines)
+
+
+def probe_main(game_name: str, describe, argv: list[str]) -> int:
+    """`main` on one game in scoring mode with its registered probe (`PROBES`), then `probe_report` with `describe`
+    printed: what a probe benchmark runs as a script (guess_number_states.py, rooms_walks.py)."""
     argv = ["--games", game_name, "--modes", "score", "--probe", *argv]
     args = parse_args(argv)
     if args.modes != ["score"]:
         name = Path(sys.argv[0]).name
         sys.exit(f"{name} reads scoring mode's distributions: run it with --modes score (the default).")
     code = main(argv)
-    print(report(Path(args.output) / "results.json"))
+    print(probe_report(Path(args.output) / "results.json", describe))
     return code
 
 

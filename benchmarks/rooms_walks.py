@@ -19,10 +19,8 @@ the steps used:
 
 from __future__ import annotations
 
-import json
 import math
 import sys
-from pathlib import Path
 
 import learning_suite  # beside this file
 import numpy as np
@@ -182,31 +180,24 @@ def probe(agent) -> dict:
     return figures(sampled_table(agent), agent.num_rooms, agent.layout_seed)
 
 
-def report(path: Path) -> str:
-    """One line per evaluation of every run in `path` (a results.json), and one per wrong state."""
-    lines = []
-    for run in json.loads(path.read_text())["runs"]:
-        lines.append(f"seed {run['seed']}: final {run.get('final')}")
-        for point in run.get("curve", []):
-            probed = point.get("probe", {})
-            latest = point.get("latest_normalised", math.nan)
-            thin = [(tuple(t["state"]), round(t["p_shortest"], 2)) for t in probed.get("thin", [])]
-            lines.append(
-                f"  {point['train']:6.0f} s, {point['updates']:4d} updates: greedy {point['normalised']:.3f} "
-                f"(latest {latest:.3f}; from the table {probed.get('greedy', math.nan):.3f}), sampled "
-                f"{probed.get('sampled', math.nan):.3f}, entropy {probed.get('entropy', math.nan):.2f}, on shortest "
-                f"{probed.get('on_shortest', math.nan):.2f}; thin (state, p shortest): {thin}"
-            )
-            for e in probed.get("errors", []):
-                lines.append(
-                    f"      wrong {tuple(e['state'])}: door {e['door']} p {e['p_door']:.2f}, p shortest "
-                    f"{e['p_shortest']:.2f}, met {e['reach']:.3f}/episode; tasks (start, shortest, steps): "
-                    f"{[tuple(t) for t in e['tasks']]}"
-                )
-    return "\n".join(lines)
+def describe(probed: dict) -> list[str]:
+    """An evaluation's probe in words (`learning_suite.probe_report`): a line, then one per wrong state."""
+    thin = [(tuple(t["state"]), round(t["p_shortest"], 2)) for t in probed.get("thin", [])]
+    lines = [
+        f"from the table {probed.get('greedy', math.nan):.3f}, sampled {probed.get('sampled', math.nan):.3f}, "
+        f"entropy {probed.get('entropy', math.nan):.2f}, on shortest {probed.get('on_shortest', math.nan):.2f}; "
+        f"thin (state, p shortest): {thin}"
+    ]
+    for e in probed.get("errors", []):
+        lines.append(
+            f"      wrong {tuple(e['state'])}: door {e['door']} p {e['p_door']:.2f}, p shortest "
+            f"{e['p_shortest']:.2f}, met {e['reach']:.3f}/episode; tasks (start, shortest, steps): "
+            f"{[tuple(t) for t in e['tasks']]}"
+        )
+    return lines
 
 
 learning_suite.PROBES["rooms"] = probe  # at import: a spawned run's child (--device cuda) registers it too
 
 if __name__ == "__main__":
-    sys.exit(learning_suite.probe_main("rooms", report, sys.argv[1:]))
+    sys.exit(learning_suite.probe_main("rooms", describe, sys.argv[1:]))
