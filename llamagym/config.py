@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 ADVANTAGE_SCALES = ("batch", "returns", "none")
+ADVANTAGE_CENTERS = ("batch", "state")
 LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "dr_grpo")
 
 
@@ -95,6 +96,8 @@ class PPOConfig:
         "returns"  # whitening divides by: "batch" (this batch's advantage std), "returns" (the std of
     )
     # every return seen so far: a batch of equal returns stays near 0 instead of becoming unit noise), or "none"
+    advantage_center: str = "batch"  # whitening centers each turn on: "batch" (the batch's mean) or "state" (the mean
+    # of the batch's turns in its state, its prompt, where it has others: ppo.state_centered); an experiment
     repeated_input_power: float | None = None  # each turn's advantage x n**-power, n the batch's turns in its state
     # (its prompt; ppo.repeated_input_weights): 0 = every turn alike, 0.5 = each state equal noise, 1 = each state
     # equal weight; None = the action mode's `repeated_input_power` (scoring 0.5; generate 0, where it was not measured)
@@ -173,6 +176,7 @@ class PPOConfig:
                 "cap_cut_replies": flag,
                 "whiten_advantages": flag,
                 "advantage_scale": (lambda v: v in ADVANTAGE_SCALES, f"one of {', '.join(ADVANTAGE_SCALES)}"),
+                "advantage_center": (lambda v: v in ADVANTAGE_CENTERS, f"one of {', '.join(ADVANTAGE_CENTERS)}"),
                 "repeated_input_power": (lambda v: v is None or unit[0](v), "None or a number in the interval [0, 1]"),
                 "max_kl": (lambda v: v is None or (_num(v) and v > 0), "None (no trust region) or a number > 0"),
                 "input_kl_factor": (lambda v: v is None or (_num(v) and v >= 1), "None (off) or a number >= 1"),

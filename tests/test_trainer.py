@@ -422,6 +422,20 @@ def test_critic_free_estimators_skip_the_bootstrap_forward(model, lora_config, t
     assert advantages.tolist() == [1.0, -1.0] and returns.tolist() == [1.0, 0.0]  # no bootstrap added
 
 
+@pytest.mark.parametrize("center", ["batch", "state"])
+def test_advantage_center_passes_the_turns_states_to_the_scaling(model, lora_config, tokenizer, monkeypatch, center):
+    seen = []
+    scale = ppo.scale_advantages
+    monkeypatch.setattr(ppo, "scale_advantages", lambda *a: seen.append(a[3] if len(a) > 3 else None) or scale(*a))
+    trainer = make_trainer(model, lora_config, tokenizer, advantage_center=center)
+    same, other = [1, 2, 3], [7, 8]
+    episodes = [Episode([Turn(same, [4], r)]) for r in (1.0, 0.0, 0.0)] + [Episode([Turn(other, [4], 5.0)])]
+    stats = trainer.step(episodes)
+    assert all(torch.isfinite(torch.tensor(v)) for v in stats.values())
+    expected = None if center == "batch" else [0, 0, 0, 1]  # the prompts, numbered by first appearance
+    assert [None if s is None else s.tolist() for s in seen] == [expected]
+
+
 @pytest.mark.parametrize("advantage", ["gae", "grpo", "rloo", "rebn", "gigpo"])
 def test_every_estimator_runs_a_finite_update_that_moves_the_adapter(model, lora_config, tokenizer, advantage):
     trainer = make_trainer(model, lora_config, tokenizer, advantage=advantage, clip_coef_high=0.28)
@@ -457,6 +471,7 @@ def test_policy_loss_options_default_to_none_and_dr_grpo_uses_the_longest_reply(
         ("group_std_scaling", 1, "True or False"),
         ("advantage", "ppo", "one of gae, grpo, rloo, rebn, gigpo"),
         ("cap_cut_replies", 0, "True or False"),
+        ("advantage_center", "prompt", "one of batch, state"),
     ],
 )
 def test_new_config_fields_are_validated_with_a_message_naming_them(field, value, accepted):

@@ -200,6 +200,28 @@ def test_scale_advantages_golden_values():
         ppo.scale_advantages(advantages, "rank", 1.0)
 
 
+def test_state_centered_advantages_golden_values():
+    advantages, states = torch.tensor([1.0, 2.0, 3.0, 10.0]), torch.tensor([0, 0, 1, 2])
+    # state 0's two turns on their mean 1.5; states 1 and 2, alone in the batch, on the batch's mean 4
+    torch.testing.assert_close(ppo.state_centered(advantages, states), torch.tensor([-0.5, 0.5, -1.0, 6.0]))
+    scaled = ppo.scale_advantages(advantages, "returns", 2.0, states)
+    torch.testing.assert_close(scaled, torch.tensor([-0.25, 0.25, -0.5, 3.0]))
+    # "batch": the centred values over their std: their mean 1.25, squared deviations 31.25 over 3
+    whitened = ppo.scale_advantages(advantages, "batch", 2.0, states)
+    torch.testing.assert_close(whitened, torch.tensor([-0.5, 0.5, -1.0, 6.0]) / (31.25 / 3) ** 0.5)
+
+
+def test_state_centering_rights_a_drawn_action_that_an_overrated_state_made_negative():
+    # one state, V 1.01 over returns of at most 1: the sure door (returns 1.0, three draws) and a detour (0.5, once)
+    # both come out negative; centred on the batch with a second state's turns, the sure door stays below 0,
+    # centred on its state it is above the detour's and above 0
+    advantages = torch.tensor([-0.01, -0.01, -0.01, -0.51, 0.3, 0.3])
+    states = torch.tensor([0, 0, 0, 0, 1, 1])
+    assert float(ppo.scale_advantages(advantages, "none", 1.0)[0]) < 0
+    by_state = ppo.scale_advantages(advantages, "none", 1.0, states)
+    torch.testing.assert_close(by_state, torch.tensor([0.125, 0.125, 0.125, -0.375, 0.0, 0.0]))
+
+
 def scored_episodes(rewards, choices, turns=1):
     """One scored turn per reward, `turns` consecutive turns to an episode."""
     steps = [

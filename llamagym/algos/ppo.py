@@ -277,9 +277,10 @@ def value_loss(
     return 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask), clipfrac
 
 
-def scale_advantages(advantages: Tensor, how: str, returns_std: float) -> Tensor:
+def scale_advantages(advantages: Tensor, how: str, returns_std: float, states: Tensor | None = None) -> Tensor:
     """Center advantages on their mean and divide them by a scale: this batch's std ("batch", classic whitening),
     `returns_std` ("returns": the spread of every return seen so far; 1 while all were equal) or 1 ("none").
+    With `states` (each turn's state id), center each turn on its state's turns instead (`state_centered`).
 
     "batch" turns any spread into unit advantages: when a solved policy makes every return equal, what is left is
     value-head noise, which it blows up into full-size steps. "returns" keeps that noise as small as it is.
@@ -287,12 +288,32 @@ def scale_advantages(advantages: Tensor, how: str, returns_std: float) -> Tensor
     Raises:
         ValueError: fewer than 2 advantages ("batch" needs a spread), or an unknown `how`.
     """
-    if how == "batch":
-        return masked_whiten(advantages, torch.ones_like(advantages))
-    if how not in ("returns", "none"):
+    if how not in ("batch", "returns", "none"):
         raise ValueError(f"`how` should be one of batch, returns, none. Received {how!r}.")
+    if how == "batch" and states is None:
+        return masked_whiten(advantages, torch.ones_like(advantages))
+    centered = advantages - advantages.mean() if states is None else state_centered(advantages, states)
+    if how == "batch":
+        return centered * torch.rsqrt(masked_var(centered, torch.ones_like(centered)) + 1e-8)
     scale = returns_std if how == "returns" and returns_std > 1e-6 else 1.0  # below: float noise of equal returns
-    return (advantages - advantages.mean()) / scale
+    return centered / scale
+
+
+def state_centered(advantages: Tensor, states: Tensor) -> Tensor:
+    """(N,) each advantage less the mean of its state's advantages (equal ids in `states`: the trainer passes each
+    turn's prompt id), or less the batch's mean where its state has no other turn in the batch.
+
+    A value head that overrates a state (V above every return seen from it) gives every action drawn there a
+    negative advantage, the most drawn one most often: centred on the batch, a sampled step then moves probability
+    off the action the policy is sure of to ones it did not draw. Centred on its state, an action is judged against
+    the other actions drawn in the same state, and the value head's error there cancels.
+
+    Example: advantages [1, 2, 3, 10], states [0, 0, 1, 2] -> [-0.5, 0.5, -1, 6] (states 1 and 2: the mean 4).
+    """
+    counts = torch.bincount(states)
+    sums = torch.zeros(len(counts), dtype=advantages.dtype, device=advantages.device).index_add_(0, states, advantages)
+    shared = counts[states] >= 2
+    return torch.where(shared, advantages - sums[states] / counts[states], advantages - advantages.mean())
 
 
 def repeated_input_weights(groups: Tensor, power: float) -> Tensor:

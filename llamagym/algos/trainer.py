@@ -243,7 +243,8 @@ class PPOTrainer:
                 advantages = torch.zeros_like(advantages)
                 spread["adv/equal_returns"] = 1.0
             else:
-                advantages = ppo.scale_advantages(advantages, cfg.advantage_scale, self.return_moments.std)
+                states = scored.step_key if cfg.advantage_center == "state" else None
+                advantages = ppo.scale_advantages(advantages, cfg.advantage_scale, self.return_moments.std, states)
         # an invalid reply named no action: the fallback chose what followed, so the reply never gets positive credit
         # for it (else a fallback that happens to pay teaches the model to reply in a form that cannot be read); nor
         # does a reply cut at max_new_tokens, read before it ended (else a paying one teaches the model to ramble on)
