@@ -110,14 +110,6 @@ def episode_returns(returns: Tensor, episode: Tensor, num_episodes: int) -> Tens
     return returns[first]
 
 
-def _group_sums(x: Tensor, group: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(each member's group index (N,), per group in sorted id order: member counts (G,), sums of x (G,)).
-    group: (N,) ids, or (N, K) rows of ids (a group per distinct row)."""
-    ids, inverse = torch.unique(group, dim=0, return_inverse=True)
-    n = torch.zeros(len(ids), dtype=x.dtype, device=x.device).index_add_(0, inverse, torch.ones_like(x))
-    return inverse, n, torch.zeros_like(n).index_add_(0, inverse, x)
-
-
 def group_centered(x: Tensor, group: Tensor, scale: bool, leave_one_out: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """x minus its group's mean (/ the group's std + EPS when `scale`; the std is Bessel-corrected), 0 on every
     member of a group whose x are all equal (a group of one included). `leave_one_out` subtracts instead the
@@ -128,7 +120,7 @@ def group_centered(x: Tensor, group: Tensor, scale: bool, leave_one_out: bool = 
     Returns:
         (N,) centered x; per group (in sorted id order): (G,) member counts, (G,) bool "all x equal".
     """
-    inverse, n, total = _group_sums(x, group)
+    inverse, n, total = ppo.group_sums(x, group)
     mean = total / n
     high = torch.full_like(n, -torch.inf).scatter_reduce(0, inverse, x, "amax")
     low = torch.full_like(n, torch.inf).scatter_reduce(0, inverse, x, "amin")
@@ -161,7 +153,7 @@ def pooled_tail(low: Tensor, high: Tensor, key: Tensor) -> tuple[Tensor, dict[st
         (T,) advantages; stats adv/tail_weight (w averaged over turns), adv/tail_signal (τ²), adv/tail_noise (σ²).
     """
     tail = high - low
-    inverse, n, total = _group_sums(tail, key)
+    inverse, n, total = ppo.group_sums(tail, key)
     mean, m, groups = total / n, tail.mean(), len(n)
     dof = float((n - 1).sum())
     if dof == 0 or groups < 2:

@@ -310,10 +310,16 @@ def state_centered(advantages: Tensor, states: Tensor) -> Tensor:
 
     Example: advantages [1, 2, 3, 10], states [0, 0, 1, 2] -> [-0.5, 0.5, -1, 6] (states 1 and 2: the mean 4).
     """
-    counts = torch.bincount(states)
-    sums = torch.zeros(len(counts), dtype=advantages.dtype, device=advantages.device).index_add_(0, states, advantages)
-    shared = counts[states] >= 2
-    return torch.where(shared, advantages - sums[states] / counts[states], advantages - advantages.mean())
+    inverse, n, total = group_sums(advantages, states)
+    return torch.where(n[inverse] >= 2, advantages - (total / n)[inverse], advantages - advantages.mean())
+
+
+def group_sums(x: Tensor, group: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(each member's group index (N,), per group in sorted id order: member counts (G,), sums of x (G,)).
+    group: (N,) ids, or (N, K) rows of ids (a group per distinct row)."""
+    ids, inverse = torch.unique(group, dim=0, return_inverse=True)
+    n = torch.zeros(len(ids), dtype=x.dtype, device=x.device).index_add_(0, inverse, torch.ones_like(x))
+    return inverse, n, torch.zeros_like(n).index_add_(0, inverse, x)
 
 
 def repeated_input_weights(groups: Tensor, power: float) -> Tensor:
