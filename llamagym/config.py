@@ -101,6 +101,9 @@ class PPOConfig:
     repeated_input_power: float | None = None  # each turn's advantage x n**-power, n the batch's turns in its state
     # (its prompt; ppo.repeated_input_weights): 0 = every turn alike, 0.5 = each state equal noise, 1 = each state
     # equal weight; None = the action mode's `repeated_input_power` (scoring 0.5; generate 0, where it was not measured)
+    inverse_choice_cap: float | None = None  # scoring mode, an experiment: a turn that did better than the batch
+    # weighs 1 / (C p) within [1, this], p the policy's probability of its choice among C candidates
+    # (ppo.inverse_choice_weights): a choice the policy had nearly given up rises as far per draw as it paid; None = off
     max_kl: float | None = 0.02  # trust region: backtrack each step until the mean KL(old || new) per turn <= this
     # (scoring mode: per bit of choice, i.e. divided by log2 of the input's number of candidates)
     input_kl_factor: float | None = None  # trust region, an experiment: also bound each input's KL(old || new), at
@@ -169,6 +172,7 @@ class PPOConfig:
                 "ent_coef": non_negative,
                 "entropy_floor": (lambda v: v is None or (_num(v) and 0 < v < 1), "None (off) or a number in (0, 1)"),
                 "entropy_floor_step": positive,
+                "inverse_choice_cap": (lambda v: v is None or (_num(v) and v >= 1), "None (off) or a number >= 1"),
                 "barrier": non_negative,
                 "barrier_floor": (lambda v: _num(v) and 0 <= v < 1, "a number in [0, 1) (0 = every candidate)"),
                 "barrier_relative": flag,

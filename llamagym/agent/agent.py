@@ -20,7 +20,7 @@ import torch
 from .. import distributed
 from ..algos.modes import MODES
 from ..algos.rollout import Episode, Turn
-from ..algos.trainer import PPOTrainer, barrier_needs_scoring
+from ..algos.trainer import PPOTrainer, needs_scoring
 from ..config import PPOConfig, ReplayConfig
 from ..models import sharding
 from ..models.devices import resolve_device
@@ -149,8 +149,8 @@ class Agent(ABC):
             raise ValueError(f"`explore` should be a number in [0, 1). Received {explore!r}.")
         distributed.init_from_env()  # under a launcher (WORLD_SIZE > 1): join its process group; else nothing
         self.ppo_config = ppo_config or PPOConfig()
-        if self.ppo_config.barrier and action_mode == "generate":  # said here, before a batch is played for nothing
-            raise barrier_needs_scoring(self.ppo_config.barrier)
+        if action_mode == "generate" and (error := needs_scoring(self.ppo_config)):  # said before a batch is played
+            raise error
         if use_target_kl is not None:  # a copy: the caller's config object is left as it was
             self.ppo_config = dataclasses.replace(self.ppo_config, use_target_kl=bool(use_target_kl))
         if device is not None:

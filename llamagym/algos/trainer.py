@@ -12,7 +12,8 @@ What one action, one reward and one value are (docs/design.md §3):
 5. The turn's advantage is broadcast over its response tokens in a masked clipped PPO loss (a token mean, or
    `PPOConfig.loss_aggregation`; clip-higher with `clip_coef_high`). It is first weighed by n**-power when n of the
    batch's turns acted in its state, i.e. had its prompt (`PPOConfig.repeated_input_power`, by default the mode's:
-   1/sqrt(n) scoring).
+   1/sqrt(n) scoring), and in scoring mode, where asked and it is positive, by 1/(C p) within [1, cap], p the
+   probability of its choice among C candidates (`PPOConfig.inverse_choice_cap`, an experiment).
 
 Two KLs, never mixed up: `kl_ref` (policy vs reference, in the reward, adaptive coefficient) and `approx_kl`
 (new vs old policy within an update, for target-KL early stopping, checked before each optimizer step).
@@ -272,6 +273,11 @@ class PPOTrainer:
             local = local * self._turn_weights
         else:
             self._turn_weights = None
+        if cfg.inverse_choice_cap is not None and old_dists is not None:  # scored: one log-prob per turn, its choice's
+            counts = torch.tensor([len(t.candidates) for t in turns], device=local.device)
+            choice = ppo.inverse_choice_weights(old_logprobs[:, 0].to(local), counts, local, cfg.inverse_choice_cap)
+            spread["adv/choice_weight_max"] = float(choice.max())
+            local = local * choice
         self._batch_summary = (
             f"batch of {len(turns)} turns: mean reward {float(env_rewards.mean()):.4g}, advantages in "
             f"[{float(advantages.min()):.4g}, {float(advantages.max()):.4g}], kl/ref {float(kl_ref.mean()):.4g}"
@@ -757,8 +763,8 @@ class PPOTrainer:
             floor = self.entropy_floor.update(stats["ppo/entropy_fraction"])
             stats["ppo/entropy_floor_coef"] = floor
         self.ent_coef = 0.0 if equal else self.config.ent_coef + floor
-        if self.config.barrier and data.old_dists is None:
-            raise barrier_needs_scoring(self.config.barrier)
+        if data.old_dists is None and (error := needs_scoring(self.config)):
+            raise error
         self._barrier = 0.0 if equal else self.config.barrier
         weights = None
         if self.ent_coef:
@@ -1014,13 +1020,22 @@ class _Measured(NamedTuple):
     features: torch.Tensor  # (M, H) the value head's inputs (the values follow from the head as it is when used)
 
 
-def barrier_needs_scoring(barrier: float) -> ValueError:
-    """The error for `PPOConfig(barrier=...)` with generated turns (said by the agent when it is created in generate
-    mode, and by the trainer when a batch of generated turns reaches it under "auto")."""
-    return ValueError(
-        f"PPOConfig(barrier={barrier}) is a log-barrier over candidates: it needs scoring mode (action_mode='score', "
-        "or 'auto' with action_candidates). Set barrier=0 for generate mode."
-    )
+def needs_scoring(config: PPOConfig) -> ValueError | None:
+    """The error for a setting that acts on candidates (`barrier`, `inverse_choice_cap`) with generated turns, or
+    None (said by the agent when it is created in generate mode, and by the trainer when a batch of generated turns
+    reaches it under "auto")."""
+    use = "action_mode='score', or 'auto' with action_candidates"
+    if config.barrier:
+        return ValueError(
+            f"PPOConfig(barrier={config.barrier}) is a log-barrier over candidates: it needs scoring mode ({use}). "
+            "Set barrier=0 for generate mode."
+        )
+    if config.inverse_choice_cap is not None:
+        return ValueError(
+            f"PPOConfig(inverse_choice_cap={config.inverse_choice_cap}) weighs each turn by the probability of the "
+            f"candidate it chose: it needs scoring mode ({use}). Set inverse_choice_cap=None for generate mode."
+        )
+    return None
 
 
 def state_weights(step_key: torch.Tensor, power: float, mine: slice, device: torch.device) -> torch.Tensor:
