@@ -1,10 +1,11 @@
-"""Each turn's advantage weighed by the inverse of its choice's probability (`PPOConfig.inverse_choice_cap`), so
-that a candidate the policy had nearly given up moves as far per draw as its advantage asks."""
+"""Each turn that did better than the batch weighed by 1/(C p), within [1, cap], p its choice's probability among C
+candidates (`PPOConfig.inverse_choice_cap`), so a candidate the policy had nearly given up rises further per draw."""
 
 import pytest
 import torch
 
 from llamagym.algos import ppo
+from llamagym.algos.rollout import Episode, Turn
 from llamagym.config import PPOConfig
 from tests.test_entropy_floor import trainer
 from tests.test_explore import NumberAgent
@@ -53,8 +54,8 @@ def test_a_cap_of_one_steps_as_no_weighting(lora_config, tokenizer):
 
 
 def test_a_rarely_chosen_candidate_that_pays_rises_further_with_the_weights(lora_config, tokenizer):
-    """The policy of `settling` (input 1 settled on its first candidate, the third never chosen, p under 0.2), then one
-    batch where input 1's third candidate is drawn once and pays: weighed by 1/p it rises further."""
+    """Nine updates settle input 1 on its first candidate (the second costs, the third is never chosen: p under 0.2),
+    then one batch draws input 1's third candidate once and it pays: weighed by 1/(C p) it rises further."""
     risen = {}
     for cap in (None, 100.0):
         torch.manual_seed(0)
@@ -71,8 +72,6 @@ def test_a_rarely_chosen_candidate_that_pays_rises_further_with_the_weights(lora
 
 
 def test_generate_mode_says_the_weights_need_scoring(lora_config, tokenizer, model):
-    from llamagym.algos.rollout import Episode, Turn
-
     pairs = enumerate(zip(PROMPTS, CANDIDATES, strict=True))
     episodes = [Episode([Turn(p, c[0], float(i % 2))]) for i, (p, c) in pairs]
     with pytest.raises(ValueError, match=r"inverse_choice_cap=10.0\) weighs each turn .* needs scoring mode"):

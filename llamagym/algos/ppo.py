@@ -349,9 +349,9 @@ def inverse_choice_weights(logprobs: Tensor, counts: Tensor, advantages: Tensor,
     its share or more steps as before (an untrained policy's first updates are unchanged), and `cap` bounds what
     one rare draw, a noisy estimate, can ask. Only choices that did better than the batch are weighed (as
     clip-higher raises only the upper clip): a rare choice that did worse is rare already, and pushing it down
-    harder would spend the step's bound on nothing. Measured, an experiment: on guess-the-number the weighed draws
-    were mostly lucky hits (a guess under its share that happens to be the secret), and the sampled policy never
-    sharpened (docs/learning-that-holds.md, "Eighty-eighth session").
+    harder would spend the step's bound on nothing. Measured, an experiment: on guess-the-number the sampled policy
+    never sharpened (docs/learning-that-holds.md, "Eighty-eighth session"); the reading, not measured: a guess under
+    its share pays at once when it happens to be the secret, and the weights multiply those lucky hits.
 
     Example: 4 candidates, probabilities [0.5, 0.25, 0.05, 0.001], advantages [1, 1, 1, -1], cap 10 -> [1, 1, 5, 1].
     """
