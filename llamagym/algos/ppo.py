@@ -340,18 +340,17 @@ def inverse_choice_weights(logprobs: Tensor, counts: Tensor, advantages: Tensor,
     elsewhere; p = exp(`logprobs`), the probability the policy that acted gave the choice it drew, one of C
     (`counts`) candidates.
 
-    Why: a sampled step moves a drawn choice's logit by about its advantage times (1 - p), so a choice the policy
-    has nearly given up (p 0.01) climbs a little per draw however much better it did, and it is drawn once in a
-    hundred visits: a state can hold a wrong choice for tens of updates after the right one has been tried (guess
-    the number, docs/learning-that-holds.md). Weighing the turn by 1 / p is the softmax's Fisher inverse (the
-    natural policy gradient in the choice's own coordinates, Kakade 2001: a logit moves by its own advantage,
-    however likely it was). Here it is counted from the uniform share 1 / C, so a choice the policy still draws at
-    its share or more steps as before (an untrained policy's first updates are unchanged), and `cap` bounds what
-    one rare draw, a noisy estimate, can ask. Only choices that did better than the batch are weighed (as
-    clip-higher raises only the upper clip): a rare choice that did worse is rare already, and pushing it down
-    harder would spend the step's bound on nothing. Measured, an experiment: on guess-the-number the sampled policy
-    never sharpened (docs/learning-that-holds.md, "Eighty-eighth session"); the reading, not measured: a guess under
-    its share pays at once when it happens to be the secret, and the weights multiply those lucky hits.
+    Why: a sampled step moves a drawn choice's logit by about its advantage times (1 - p), so a choice the policy has
+    nearly given up (p 0.01) climbs a little per draw however much better it did, and it is drawn once in a hundred
+    visits: a state can hold a wrong choice for tens of updates after the right one has been tried (guess the number,
+    docs/learning-that-holds.md). Weighing the turn by 1 / p is the softmax's Fisher inverse (the natural policy
+    gradient in the choice's own coordinates, Kakade 2001: a logit moves by its own advantage, however likely it was).
+    Here it is counted from the uniform share 1 / C, so a choice the policy still draws at its share or more steps as
+    before, and `cap` bounds what one rare draw, a noisy estimate, can ask. Only choices that did better than the batch
+    are weighed (as clip-higher raises only the upper clip): a rare choice that did worse is rare already, and pushing
+    it down harder would spend the step's bound on nothing. Measured, an experiment: on guess-the-number the sampled
+    policy never sharpened (docs/learning-that-holds.md, "Eighty-eighth session"); the reading, not measured: a guess
+    under its share pays at once when it happens to be the secret, and the weights multiply those lucky hits.
 
     Example: 4 candidates, probabilities [0.5, 0.25, 0.05, 0.001], advantages [1, 1, 1, -1], cap 10 -> [1, 1, 5, 1].
     """
