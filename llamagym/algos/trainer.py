@@ -274,7 +274,7 @@ class PPOTrainer:
         else:
             self._turn_weights = None
         if cfg.inverse_choice_cap is not None and old_dists is not None:  # scored: one log-prob per turn, its choice's
-            counts = torch.tensor([len(t.candidates) for t in turns], device=local.device)
+            counts = batch.num_candidates.to(local.device)
             choice = ppo.inverse_choice_weights(old_logprobs[:, 0].to(local), counts, local, cfg.inverse_choice_cap)
             spread["adv/choice_weight_max"] = float(choice.max())
             local = local * choice
