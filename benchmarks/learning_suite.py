@@ -47,7 +47,7 @@ LOGGED = (
     "time/update_s", "agent/batch_invalid_action_rate", "agent/batch_cut_reply_rate", "adv/cut_capped",
     "ppo/entropy_fraction", "ppo/entropy_floor_coef", "ppo/entropy_floor_turns", "memory/trims", "agent/explored_rate",
     "adv/evidence", "trust/bound", "ppo/barrier", "adv/tail_weight", "adv/tail_signal", "adv/tail_noise",
-    "ppo/turn_value_range", "adv/choice_weight_max",
+    "ppo/turn_value_range", "adv/choice_weight_max", "adv/choice_weighed",
 )  # fmt: skip
 # game name -> probe(agent) -> dict, recorded at each evaluation under --probe (registered by other benchmarks)
 PROBES: dict = {}

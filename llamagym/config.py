@@ -104,6 +104,9 @@ class PPOConfig:
     inverse_choice_cap: float | None = None  # scoring mode, an experiment: a turn that did better than the batch
     # weighs 1 / (C p) within [1, this], p the policy's probability of its choice among C candidates
     # (ppo.inverse_choice_weights): a choice the policy had nearly given up rises as far per draw as it paid; None = off
+    inverse_choice_evidence: float | None = None  # with inverse_choice_cap, an experiment: weigh a turn only where
+    # its (prompt, choice) pair's draws across updates have paid, z = S / sqrt(1 + Q) >= this (decayed sums of their
+    # advantages and squares; algos/choice_evidence.py): one lucky draw never passes 1; None = weigh on one draw
     max_kl: float | None = 0.02  # trust region: backtrack each step until the mean KL(old || new) per turn <= this
     # (scoring mode: per bit of choice, i.e. divided by log2 of the input's number of candidates)
     input_kl_factor: float | None = None  # trust region, an experiment: also bound each input's KL(old || new), at
@@ -173,6 +176,7 @@ class PPOConfig:
                 "entropy_floor": (lambda v: v is None or (_num(v) and 0 < v < 1), "None (off) or a number in (0, 1)"),
                 "entropy_floor_step": positive,
                 "inverse_choice_cap": (lambda v: v is None or (_num(v) and v >= 1), "None (off) or a number >= 1"),
+                "inverse_choice_evidence": (lambda v: v is None or (_num(v) and v > 0), "None (off) or a number > 0"),
                 "barrier": non_negative,
                 "barrier_floor": (lambda v: _num(v) and 0 <= v < 1, "a number in [0, 1) (0 = every candidate)"),
                 "barrier_relative": flag,
@@ -214,6 +218,12 @@ class PPOConfig:
                 "`barrier_relative=True` makes the barrier's floor a fraction of the reference model's probabilities, "
                 "and `barrier_floor` is 0. Set barrier_floor (e.g. 0.25: a candidate is held once it falls under a "
                 "quarter of where the untrained model put it), or barrier_relative=False."
+            )
+        if self.inverse_choice_evidence is not None and self.inverse_choice_cap is None:
+            raise ValueError(
+                f"`inverse_choice_evidence={self.inverse_choice_evidence}` says which turns the inverse-choice weights "
+                "act on, and `inverse_choice_cap` is None (off). Set inverse_choice_cap (e.g. 10.0) to use it, or "
+                "inverse_choice_evidence=None."
             )
         if self.pool_tail and (self.policy_lam is None or self.policy_lam == self.lam):
             raise ValueError(

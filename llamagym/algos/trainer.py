@@ -13,7 +13,8 @@ What one action, one reward and one value are (docs/design.md §3):
    `PPOConfig.loss_aggregation`; clip-higher with `clip_coef_high`). It is first weighed by n**-power when n of the
    batch's turns acted in its state, i.e. had its prompt (`PPOConfig.repeated_input_power`, by default the mode's:
    1/sqrt(n) scoring), and in scoring mode, where asked and it is positive, by 1/(C p) within [1, cap], p the
-   probability of its choice among C candidates (`PPOConfig.inverse_choice_cap`, an experiment).
+   probability of its choice among C candidates (`PPOConfig.inverse_choice_cap`, an experiment), there only where
+   its (prompt, choice) pair has paid across updates if `PPOConfig.inverse_choice_evidence` is set (`choice_evidence`).
 
 Two KLs, never mixed up: `kl_ref` (policy vs reference, in the reward, adaptive coefficient) and `approx_kl`
 (new vs old policy within an update, for target-KL early stopping, checked before each optimizer step).
@@ -51,6 +52,7 @@ from ..models.host_memory import FreedMemoryBound
 from ..models.policy import Policy
 from . import estimators, evidence, ppo, turn_values
 from .averaging import WeightAverage
+from .choice_evidence import ChoiceEvidence
 from .holding import HeldInputs, held_outputs
 from .modes import ActionMode, Recalled, mode_of
 from .modes.score import SCORE_TOKENS, token_chunks
@@ -122,6 +124,14 @@ class PPOTrainer:
                     "weight in a Linear layer) in one process. Set hold_batches=0."
                 )
             self.held = HeldInputs(config.hold_batches)
+        self.choice_evidence = None  # each (prompt, choice) pair's draws across updates (`inverse_choice_evidence`)
+        if config.inverse_choice_evidence is not None:
+            if distributed.is_distributed():
+                raise ValueError(
+                    f"PPOConfig(inverse_choice_evidence={config.inverse_choice_evidence}) counts each (prompt, choice) "
+                    "pair's draws in one process's table. Run it in one process, or set inverse_choice_evidence=None."
+                )
+            self.choice_evidence = ChoiceEvidence()
         self._held_data: UpdateBatch | None = None  # this update's held inputs, collated (scoring mode)
         self.policy_optimizer: torch.optim.AdamW | NaturalGradient = self.optimizer  # this update's (see `step`)
         self.trust_region = (
@@ -265,6 +275,7 @@ class PPOTrainer:
         spread["adv/invalid_capped"] = float((invalid & (local > 0)).sum()) / len(turns)
         spread["adv/cut_capped"] = float((cut & (local > 0)).sum()) / len(turns)
         local = torch.where(invalid | cut, local.clamp(max=0.0), local)
+        drawn = local  # each turn's advantage before any weight: what the choice evidence counts
         power = mode.repeated_input_power if cfg.repeated_input_power is None else cfg.repeated_input_power
         if power:  # scaled after the estimator: the weights shrink what a turn moves, not its return. Counted by
             # state (the prompt; over every rank's turns, data-parallel), not by model input: a generated reply is
@@ -276,6 +287,11 @@ class PPOTrainer:
         if cfg.inverse_choice_cap is not None and old_dists is not None:  # scored: one log-prob per turn, its choice's
             counts = batch.num_candidates.to(local.device)
             choice = ppo.inverse_choice_weights(old_logprobs[:, 0].to(local), counts, local, cfg.inverse_choice_cap)
+            if self.choice_evidence is not None:  # only pairs whose draws have paid across updates are weighed
+                pairs = [(hash(tuple(t.prompt_ids)), t.choice) for t in turns]
+                scores = self.choice_evidence.update(pairs, drawn)
+                choice = torch.where(scores >= cfg.inverse_choice_evidence, choice, torch.ones_like(choice))
+                spread["adv/choice_weighed"] = float((choice > 1).float().mean())
             spread["adv/choice_weight_max"] = float(choice.max())
             local = local * choice
         self._batch_summary = (
@@ -986,6 +1002,7 @@ class PPOTrainer:
             "average": self.average.state_dict() if self.average is not None else None,
             "held": self.held.state_dict() if self.held is not None else None,
             "turn_values": self.turn_values.clone() if self.turn_values is not None else None,
+            "choice_evidence": self.choice_evidence.state_dict() if self.choice_evidence is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -1009,6 +1026,8 @@ class PPOTrainer:
             self.held.load_state_dict(state["held"])
         if self.turn_values is not None and state.get("turn_values") is not None:  # absent before turn_values existed
             self.turn_values.copy_(state["turn_values"])
+        if self.choice_evidence is not None and state.get("choice_evidence") is not None:  # absent before it existed
+            self.choice_evidence.load_state_dict(state["choice_evidence"])
 
 
 class _Measured(NamedTuple):
