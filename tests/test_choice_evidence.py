@@ -112,3 +112,9 @@ def test_evidence_without_the_weights_says_what_to_set():
 def test_a_threshold_not_above_zero_says_what_to_pass(threshold):
     with pytest.raises(ValueError, match="inverse_choice_evidence"):
         PPOConfig(inverse_choice_cap=10.0, inverse_choice_evidence=threshold)
+
+
+def test_data_parallel_says_the_table_is_one_process(lora_config, tokenizer, monkeypatch):
+    monkeypatch.setattr("llamagym.algos.trainer.distributed.is_distributed", lambda: True)
+    with pytest.raises(ValueError, match=r"one process's table\. Run it in one process"):
+        trainer(lora_config, tokenizer, inverse_choice_cap=10.0, inverse_choice_evidence=1.2)
