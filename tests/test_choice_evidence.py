@@ -91,7 +91,7 @@ def test_a_rare_choice_is_weighed_only_once_it_has_paid_across_updates(lora_conf
             weighed[name].append(stats.get("adv/choice_weighed"))
     torch.testing.assert_close(after["gated"][0], after["none"][0])  # one draw: no weight
     assert weighed["gated"][0] == 0.0 and weighed["gated"][1] > 0.0
-    assert float(after["gated"][1][1].exp()[2]) > float(after["none"][1][1].exp()[2]) + 0.01
+    assert float(after["gated"][1][1].exp()[2]) > float(after["none"][1][1].exp()[2]) + 0.01  # 0.357 against 0.314
 
 
 def test_the_trainer_checkpoints_its_table(lora_config, tokenizer):
