@@ -121,21 +121,10 @@ def figures(policy: dict[Key, np.ndarray], keys: list[Key], n: int = N, k: int =
 
 
 def sampled_table(agent, keys: list[Key], n: int = N) -> dict[Key, np.ndarray]:
-    """The latest weights' policy over guesses 1..n at every state of `keys`, as training samples it (the scoring
-    mode's distributions, which acting remembers until the weights change); the random state is left as it was."""
-    import torch
-
-    mode, actor, system = agent.mode, agent.actor, agent.get_system_prompt()
-    candidates = [actor.candidate_ids(text) for text in agent.action_candidates((n, 1, n, K))]
-    prompts = [
-        agent.formatter.prompt_ids(system, [{"role": "user", "content": agent.format_observation((n, *key))}])[0]
-        for key in keys
-    ]
-    rng = torch.get_rng_state()
-    mode.choose(actor, prompts, [candidates] * len(keys), greedy=False)
-    torch.set_rng_state(rng)
-    memory = actor.memory(mode)
-    return {key: memory[mode.key(p, candidates)].logprobs.exp().numpy() for key, p in zip(keys, prompts, strict=True)}
+    """The latest weights' policy over guesses 1..n at every state of `keys`, as training samples it
+    (`learning_suite.sampled_probabilities`)."""
+    found = learning_suite.sampled_probabilities(agent, [(n, *key) for key in keys])
+    return dict(zip(keys, found, strict=True))
 
 
 def probe(agent) -> dict:

@@ -523,6 +523,29 @@ def main(argv=None):
     return 1 if failed else 0
 
 
+def sampled_probabilities(agent, observations: list) -> list[np.ndarray]:
+    """The latest weights' probabilities over each observation's candidates (`agent.action_candidates`), as training
+    samples them (scoring mode's distributions), from prompts of the observation alone (a Markov agent's): what a
+    probe reads. The random state and the acting memory are left as they were."""
+    import torch
+
+    mode, actor, system = agent.mode, agent.actor, agent.get_system_prompt()
+    prompts = [
+        agent.formatter.prompt_ids(system, [{"role": "user", "content": agent.format_observation(obs)}])[0]
+        for obs in observations
+    ]
+    candidates = [[actor.candidate_ids(text) for text in agent.action_candidates(obs)] for obs in observations]
+    memory = actor.memory(mode)
+    kept, rng = set(memory), torch.get_rng_state()
+    mode.choose(actor, prompts, candidates, greedy=False)
+    torch.set_rng_state(rng)
+    pairs = zip(prompts, candidates, strict=True)
+    found = [memory[mode.key(prompt, ids)].logprobs.exp().numpy() for prompt, ids in pairs]
+    for key in set(memory) - kept:  # what acting computes in its own batches, not the probe's
+        del memory[key]
+    return found
+
+
 def probe_report(path: Path, describe) -> str:
     """One line per run of `path` (a results.json), then one per evaluation: the suite's greedy figures followed by
     `describe(probe)`'s first line; its further lines after it (a probe benchmark's report)."""

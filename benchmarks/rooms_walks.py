@@ -150,29 +150,11 @@ def figures(policy: Policy, num_rooms: int = 8, layout_seed: int = 0, max_steps:
 
 
 def sampled_table(agent) -> Policy:
-    """The latest weights' policy over the doors at every state, as training samples it (the scoring mode's
-    distributions); the random state and the acting memory are left as they were."""
-    import torch
-
-    mode, actor, system = agent.mode, agent.actor, agent.get_system_prompt()
+    """The latest weights' policy over the doors at every state, as training samples it (`sampled_probabilities`)."""
     layout = rooms.make_layout(agent.num_rooms, agent.layout_seed)
     keys = states(layout)  # each (room, goal) is also the observation
-    prompts = [
-        agent.formatter.prompt_ids(system, [{"role": "user", "content": agent.format_observation(key)}])[0]
-        for key in keys
-    ]
-    candidates = [[actor.candidate_ids(text) for text in agent.action_candidates(key)] for key in keys]
-    memory = actor.memory(mode)
-    kept, rng = set(memory), torch.get_rng_state()
-    mode.choose(actor, prompts, candidates, greedy=False)
-    torch.set_rng_state(rng)
-    table = {}
-    for (room, goal), prompt, ids in zip(keys, prompts, candidates, strict=True):
-        probabilities = memory[mode.key(prompt, ids)].logprobs.exp().tolist()
-        table[room, goal] = dict(zip(layout.doors[room], probabilities, strict=True))
-    for key in set(memory) - kept:  # what acting computes in its own batches, not this probe's
-        del memory[key]
-    return table
+    found = learning_suite.sampled_probabilities(agent, keys)
+    return {key: dict(zip(layout.doors[key[0]], p.tolist(), strict=True)) for key, p in zip(keys, found, strict=True)}
 
 
 def probe(agent) -> dict:

@@ -146,6 +146,42 @@ def test_optimal_advantages_sign_is_the_optimal_action_and_values_are_known():
     assert gains[(21, 10, 0)] == pytest.approx(-1.0 - (1.0 - p21), abs=1e-12)
 
 
+def coin(total: int, dealer: int, usable: int) -> float:
+    """A stochastic policy with a different hit probability across states (no state at 0 or 1)."""
+    return 0.05 + 0.9 * ((7 * total + 3 * dealer + 5 * usable) % 11) / 10
+
+
+def test_visits_start_from_the_deal_and_follow_the_hits():
+    stick, hit = bj.visits(bj.always_stick), bj.visits(lambda *state: 1.0)
+    p_card, p_ten = 1 / 13, 4 / 13
+    # ace + ten against a dealer's 5, in either order; and 2 + 2 against a dealer's ten
+    assert stick[21, 5, 1] == pytest.approx(2 * p_card * p_ten * p_card)
+    assert hit[4, 10, 0] == stick[4, 10, 0] == pytest.approx(p_card**3 * 4)
+    # sticking decides once a hand: the states' probabilities sum to one; hitting until a bust, 1.93 times
+    assert sum(stick.values()) == pytest.approx(1.0) and 1.9 < sum(hit.values()) < 2
+    # hard 5 is dealt only as 2 + 3 or 3 + 2, and reached by hitting from nowhere else
+    assert hit[5, 1, 0] == pytest.approx(2 * p_card**3)
+
+
+def test_the_gap_to_optimal_is_each_states_visits_times_its_wrong_action_cost():
+    # J* - J(pi) = sum over states of visits(pi) * P(pi's action is not optimal) * |Q*(hit) - Q*(stick)|
+    best, gains, reach = bj.optimal_policy(), bj.optimal_advantages(), bj.visits(coin)
+    probs = bj.hit_probabilities(coin)
+    wrong = {s: 1 - probs[s] if best[s] else probs[s] for s in bj.STATES}
+    gap = bj.exact_return(best)["expected_return"] - bj.exact_return(coin)["expected_return"]
+    assert gap == pytest.approx(sum(reach[s] * wrong[s] * abs(gains[s]) for s in bj.STATES), rel=1e-9) and gap > 0.1
+
+
+@pytest.mark.parametrize("state", [(16, 10, 0), (12, 4, 0), (17, 1, 1), (9, 6, 0)])
+def test_hit_gains_are_what_hitting_once_more_is_worth_under_the_policy(state):
+    # hitting for sure at `state` changes the return by visits * P(stick there) * gain: no state comes twice a hand
+    gains, reach, probs = bj.hit_gains(coin), bj.visits(coin), bj.hit_probabilities(coin)
+    hits_there = {**probs, state: 1.0}
+    change = bj.exact_return(hits_there)["expected_return"] - bj.exact_return(coin)["expected_return"]
+    assert change == pytest.approx(reach[state] * (1 - probs[state]) * gains[state], rel=1e-9, abs=1e-15)
+    assert gains != bj.optimal_advantages()
+
+
 # ---- the suite game ------------------------------------------------------------------------------------------------
 def test_check_env_passes_on_the_game_env():
     check_env(BlackjackEnv(natural=False, sab=False), skip_render_check=True)

@@ -108,16 +108,22 @@ def _solve(choose: Callable[[State, Outcome, Outcome], Outcome]) -> dict[State, 
     return memo
 
 
-def _initial_outcome(values: Mapping[State, Outcome]) -> Outcome:
-    """Average the state outcomes over the initial deal (two player cards and the dealer's face-up card)."""
-    total_out = [0.0, 0.0, 0.0]
+def _deals() -> dict[State, float]:
+    """The probability of each first decision state: the initial deal (two player cards, the dealer's face-up card)."""
+    first = dict.fromkeys(STATES, 0.0)
     for dealer, p_dealer in CARD_PROBS.items():
-        for first, p_first in CARD_PROBS.items():
+        for card, p_card in CARD_PROBS.items():
             for second, p_second in CARD_PROBS.items():
-                total, usable = _add_card(*_add_card(0, 0, first), second)
-                weight = p_dealer * p_first * p_second
-                out = values[total, dealer, usable]
-                total_out = [t + weight * o for t, o in zip(total_out, out, strict=True)]
+                total, usable = _add_card(*_add_card(0, 0, card), second)
+                first[total, dealer, usable] += p_dealer * p_card * p_second
+    return first
+
+
+def _initial_outcome(values: Mapping[State, Outcome]) -> Outcome:
+    """Average the state outcomes over the initial deal."""
+    total_out = [0.0, 0.0, 0.0]
+    for state, weight in _deals().items():
+        total_out = [t + weight * o for t, o in zip(total_out, values[state], strict=True)]
     return tuple(total_out)
 
 
@@ -147,6 +153,17 @@ def hit_probabilities(policy: PolicyLike) -> dict[State, float]:
     return probs
 
 
+def _policy_outcomes(policy: PolicyLike) -> dict[State, Outcome]:
+    """Outcome probabilities of every state when `policy` (see `hit_probabilities`) plays from there."""
+    probs = hit_probabilities(policy)
+
+    def mix(state: State, stick: Outcome, hit: Outcome) -> Outcome:
+        p = probs[state]
+        return tuple((1.0 - p) * s + p * h for s, h in zip(stick, hit, strict=True))
+
+    return _solve(mix)
+
+
 def exact_return(policy: PolicyLike) -> dict[str, float]:
     """Exact expected return per hand of `policy`, from the initial deal, with no sampling noise.
 
@@ -156,13 +173,7 @@ def exact_return(policy: PolicyLike) -> dict[str, float]:
     Returns:
         `{"expected_return", "win", "draw", "loss"}`; `expected_return == win - loss` since rewards are in {-1, 0, 1}.
     """
-    probs = hit_probabilities(policy)
-
-    def mix(state: State, stick: Outcome, hit: Outcome) -> Outcome:
-        p = probs[state]
-        return tuple((1.0 - p) * s + p * h for s, h in zip(stick, hit, strict=True))
-
-    win, draw, loss = _initial_outcome(_solve(mix))
+    win, draw, loss = _initial_outcome(_policy_outcomes(policy))
     return {"expected_return": win - loss, "win": win, "draw": draw, "loss": loss}
 
 
@@ -179,19 +190,38 @@ def optimal_policy() -> dict[State, int]:
     return {state: actions[state] for state in STATES}
 
 
+def hit_gains(policy: PolicyLike) -> dict[State, float]:
+    """Q(s, hit) - Q(s, stick) at every state under `policy`: the expected-return gain of hitting once at s, then
+    playing `policy` (see `hit_probabilities`), over sticking there. What a learner's advantages estimate."""
+    values = _policy_outcomes(policy)
+    gains = {}
+    for state in STATES:
+        (win, _, loss), stick = _hit_outcome(state, values.__getitem__), _stick_outcome(state[0], state[1])
+        gains[state] = (win - loss) - (stick[0] - stick[2])
+    return gains
+
+
 def optimal_advantages() -> dict[State, float]:
     """Q*(s, hit) - Q*(s, stick) at every state: the expected-return gain of hitting once, then playing optimally.
 
     Positive exactly where `optimal_policy` hits. Used to measure how fast a policy can fit the optimal table when
     the advantages are known exactly (`benchmarks/natural_gradient.py`).
     """
-    best = optimal_policy()
-    values = _solve(lambda state, stick, hit: hit if best[state] else stick)
-    gains = {}
-    for state in STATES:
-        (win, _, loss), stick = _hit_outcome(state, values.__getitem__), _stick_outcome(state[0], state[1])
-        gains[state] = (win - loss) - (stick[0] - stick[2])
-    return gains
+    return hit_gains(optimal_policy())
+
+
+def visits(policy: PolicyLike) -> dict[State, float]:
+    """The probability that a hand played by `policy` (see `hit_probabilities`) decides at each state: no state comes
+    twice in a hand, since each card raises the sum that counts an ace as 1."""
+    probs = hit_probabilities(policy)
+    reach = _deals()
+    for state in sorted(STATES, key=lambda s: s[0] - 10 * s[2]):  # every way into a state comes before it
+        total, dealer, usable = state
+        for card, p in CARD_PROBS.items():
+            new_total, new_usable = _add_card(total, usable, card)
+            if new_total <= 21:
+                reach[new_total, dealer, new_usable] += reach[state] * probs[state] * p
+    return reach
 
 
 def uniform_random(player_sum: int, dealer_card: int, usable_ace: int) -> float:

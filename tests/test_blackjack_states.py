@@ -1,0 +1,62 @@
+"""`benchmarks/blackjack_states.py`: where a Blackjack policy's return falls short of optimal, state by state."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from llamagym.envs import blackjack as bj
+from llamagym.envs import suite
+from tests.test_learning_suite import ROOT, load_benchmark
+
+states = load_benchmark("blackjack_states")
+
+
+def test_the_optimal_table_has_no_gap():
+    table = bj.hit_probabilities(bj.optimal_policy())
+    found = states.figures(table)
+    assert found == {"sampled": pytest.approx(1.0), "entropy": 0.0, "gap": 0.0, "costly": [], "hit": [*table.values()]}
+
+
+def test_always_sticking_lists_the_low_totals_it_should_hit_and_their_gains():
+    found = states.figures(bj.hit_probabilities(bj.always_stick))
+    refs = bj.reference_returns()
+    assert found["gap"] == pytest.approx(refs["optimal"]["expected_return"] - refs["always stick"]["expected_return"])
+    normalised = (refs["always stick"]["expected_return"] - refs["uniform random"]["expected_return"]) / (
+        refs["optimal"]["expected_return"] - refs["uniform random"]["expected_return"]
+    )
+    assert found["entropy"] == 0.0 and found["sampled"] == pytest.approx(normalised)
+    shares = [c["share"] for c in found["costly"]]
+    # the gap is spread thin: the ten costliest states carry 0.29 of it, hard 11 against a dealer's ten the most
+    assert len(shares) == states.MOST and shares == sorted(shares, reverse=True) and 0.28 < sum(shares) < states.COSTLY
+    assert found["costly"][0]["state"] == [11, 10, 0]
+    for c in found["costly"]:  # every hit it misses pays even when the hand sticks right after
+        assert c["optimal"] == "hit" and c["p_hit"] == 0.0 and c["gain"] > 0 and c["cost"] > 0
+        assert c["share"] == pytest.approx(c["reach"] * c["cost"] / found["gap"])
+
+
+def test_a_coin_everywhere_has_full_entropy_and_a_gap_spread_over_many_states():
+    found = states.figures(dict.fromkeys(bj.STATES, 0.5))
+    assert found["entropy"] == pytest.approx(1.0) and found["sampled"] == pytest.approx(0.0, abs=1e-12)
+    assert len(found["costly"]) == states.MOST and sum(c["share"] for c in found["costly"]) < states.COSTLY
+
+
+@pytest.mark.slow
+def test_a_quick_run_records_the_sampled_policy_and_its_greedy_table_is_the_suites(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "benchmarks/blackjack_states.py", "--quick", "--threads", "1", "--output", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (run,) = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert len(run["curve"]) == 2  # before training and at the end
+    for point in run["curve"]:
+        probed = point["probe"]
+        assert -1 < probed["sampled"] < 1 and 0 < probed["entropy"] <= 1 and probed["gap"] > 0
+        assert all(0 < c["p_hit"] < 1 and 0 < c["share"] <= 1 for c in probed["costly"])
+    # the latest weights' greedy table, as the suite evaluates it, is the probe's table with each P(hit) rounded
+    hit = run["curve"][-1]["probe"]["hit"]
+    greedy = bj.evaluate(suite.markov(lambda obs: int(hit[bj.STATES.index(tuple(obs))] > 0.5)))
+    assert greedy["normalised"] == pytest.approx(run["curve"][-1]["latest_normalised"])
+    assert "seed 0: final" in done.stdout and "of the gap): hard" in done.stdout
