@@ -14,6 +14,8 @@ outputs; every flag of it works here) that, at each evaluation, also asks the la
   the sampled policy's own play from there on, the gain its advantages estimate. A state whose `gain` has the
   optimal action's sign is one the updates push the right way; one whose sign is wrong is held there by the policy's
   later play;
+- `held`: the share of `gap` in states whose `gain` does not favour optimal play's action (the opposite sign, or
+  none): held by the policy's later play; the rest lies where its own advantages point the right way;
 - `hit`: P(hit) at each of `STATES`, in its order (the whole table, to plot or read again).
 
     python benchmarks/blackjack_states.py --seeds 86 --budget 600
@@ -29,6 +31,7 @@ import learning_suite  # beside this file
 from llamagym.envs import blackjack as bj
 
 COSTLY, MOST = 0.5, 10  # `costly` lists states until they carry this share of the gap, or MOST of them
+TIE = 1e-9  # a gain this small is no push either way (e.g. hitting a hard 4 when every total after it sticks)
 
 
 def figures(hit: dict[bj.State, float]) -> dict:
@@ -43,6 +46,8 @@ def figures(hit: dict[bj.State, float]) -> dict:
         p_wrong = 1.0 - hit[state] if best[state] else hit[state]
         shares[state] = reach[state] * p_wrong * abs(optimal_gains[state])
     gap = sum(shares.values())
+    pushed = {s: gains[s] > TIE if best[s] else gains[s] < -TIE for s in bj.STATES}  # its own gain favours optimal
+    held = sum(share for state, share in shares.items() if not pushed[state])
 
     def entropy(p: float) -> float:
         return -sum(q * math.log(q) for q in (p, 1.0 - p) if q > 0)
@@ -67,6 +72,7 @@ def figures(hit: dict[bj.State, float]) -> dict:
         "sampled": (score - random["expected_return"]) / (optimal["expected_return"] - random["expected_return"]),
         "entropy": sum(reach[s] * entropy(hit[s]) for s in bj.STATES) / sum(reach.values()) / math.log(2),
         "gap": gap,
+        "held": held / gap if gap > 0 else 0.0,
         "costly": costly,
         "hit": [hit[state] for state in bj.STATES],
     }
@@ -93,7 +99,7 @@ def describe(probed: dict) -> list[str]:
     carried = sum(c["share"] for c in probed.get("costly", []))
     return [
         f"sampled {probed.get('sampled', math.nan):.3f}, entropy {probed.get('entropy', math.nan):.2f}, gap "
-        f"{probed.get('gap', math.nan):.4f}/hand",
+        f"{probed.get('gap', math.nan):.4f}/hand, held by later play {probed.get('held', math.nan):.2f} of it",
         f"      costly ({carried:.2f} of the gap): " + "; ".join(costly),
     ]
 

@@ -17,7 +17,9 @@ states = load_benchmark("blackjack_states")
 def test_the_optimal_table_has_no_gap():
     table = bj.hit_probabilities(bj.optimal_policy())
     found = states.figures(table)
-    assert found == {"sampled": pytest.approx(1.0), "entropy": 0.0, "gap": 0.0, "costly": [], "hit": [*table.values()]}
+    assert found == {
+        "sampled": pytest.approx(1.0), "entropy": 0.0, "gap": 0.0, "held": 0.0, "costly": [], "hit": [*table.values()]
+    }  # fmt: skip
 
 
 def test_always_sticking_lists_the_low_totals_it_should_hit_and_their_gains():
@@ -32,9 +34,24 @@ def test_always_sticking_lists_the_low_totals_it_should_hit_and_their_gains():
     # the gap is spread thin: the ten costliest states carry 0.29 of it, hard 11 against a dealer's ten the most
     assert len(shares) == states.MOST and shares == sorted(shares, reverse=True) and 0.28 < sum(shares) < states.COSTLY
     assert found["costly"][0]["state"] == [11, 10, 0]
-    for c in found["costly"]:  # every hit it misses pays even when the hand sticks right after
+    # held: hitting a hard 4 or 5 and sticking on what follows wins only when the dealer busts, as sticking does; and
+    # a soft 18 against an ace loses more often by a hit and a stick
+    held = [s for s in bj.STATES if s[:2] == (18, 1) and s[2] or s[0] in (4, 5) and not s[2]]
+    reach, gains = bj.visits(bj.always_stick), bj.optimal_advantages()
+    assert found["held"] == pytest.approx(sum(reach[s] * gains[s] for s in held) / found["gap"]) and found["held"] > 0
+    for c in found["costly"]:  # every hit it misses among the costliest pays even when the hand sticks right after
         assert c["optimal"] == "hit" and c["p_hit"] == 0.0 and c["gain"] > 0 and c["cost"] > 0
         assert c["share"] == pytest.approx(c["reach"] * c["cost"] / found["gap"])
+
+
+def test_hitting_from_twelve_on_holds_the_low_totals_by_its_later_play():
+    found = states.figures(bj.hit_probabilities(lambda total, dealer, usable: float(total >= 12)))
+    costliest = found["costly"][0]
+    assert costliest["state"] == [20, 10, 0] and costliest["gain"] < 0 and costliest["optimal"] == "stick"
+    # a hard 11 hit lands on 12-21 and busts from there: the gain says stick where optimal play hits
+    gains, best = bj.hit_gains(lambda total, dealer, usable: float(total >= 12)), bj.optimal_policy()
+    assert all(gains[11, dealer, 0] < 0 < best[11, dealer, 0] for dealer in bj.DEALER_CARDS)
+    assert 0.05 < found["held"] < 0.5
 
 
 def test_a_coin_everywhere_has_full_entropy_and_a_gap_spread_over_many_states():
