@@ -1,15 +1,10 @@
 """`benchmarks/blackjack_states.py`: where a Blackjack policy's return falls short of optimal, state by state."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 from llamagym.envs import blackjack as bj
 from llamagym.envs import suite
-from tests.test_learning_suite import ROOT, load_benchmark
+from tests.test_learning_suite import load_benchmark, quick_probe_run
 
 states = load_benchmark("blackjack_states")
 
@@ -62,12 +57,7 @@ def test_a_coin_everywhere_has_full_entropy_and_a_gap_spread_over_many_states():
 
 @pytest.mark.slow
 def test_a_quick_run_records_the_sampled_policy_and_its_greedy_table_is_the_suites(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "benchmarks/blackjack_states.py", "--quick", "--threads", "1", "--output", str(tmp_path)]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (run,) = json.loads((tmp_path / "results.json").read_text())["runs"]
-    assert len(run["curve"]) == 2  # before training and at the end
+    run, printed = quick_probe_run("blackjack_states.py", tmp_path)
     for point in run["curve"]:
         probed = point["probe"]
         assert -1 < probed["sampled"] < 1 and 0 < probed["entropy"] <= 1 and probed["gap"] > 0
@@ -76,4 +66,4 @@ def test_a_quick_run_records_the_sampled_policy_and_its_greedy_table_is_the_suit
     hit = run["curve"][-1]["probe"]["hit"]
     greedy = bj.evaluate(suite.markov(lambda obs: int(hit[bj.STATES.index(tuple(obs))] > 0.5)))
     assert greedy["normalised"] == pytest.approx(run["curve"][-1]["latest_normalised"])
-    assert "seed 0: final" in done.stdout and "of the gap): hard" in done.stdout
+    assert "seed 0: final" in printed and "of the gap): hard" in printed

@@ -1,7 +1,5 @@
 """`benchmarks/guess_number_states.py`: the exact values of guess-the-number's states under a policy table."""
 
-import json
-import os
 import subprocess
 import sys
 
@@ -9,7 +7,7 @@ import numpy as np
 import pytest
 
 from llamagym.envs.guess_number import expert, references
-from tests.test_learning_suite import ROOT, load_benchmark
+from tests.test_learning_suite import ROOT, load_benchmark, quick_probe_run
 
 states = load_benchmark("guess_number_states")
 KEYS = states.reachable()
@@ -80,17 +78,12 @@ def test_probe_needs_a_registered_probe():
 
 @pytest.mark.slow
 def test_a_quick_run_records_the_sampled_policy_at_each_evaluation(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "benchmarks/guess_number_states.py", "--quick", "--threads", "1", "--output", str(tmp_path)]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (run,) = json.loads((tmp_path / "results.json").read_text())["runs"]
-    assert len(run["curve"]) == 2  # before training and at the end
+    run, printed = quick_probe_run("guess_number_states.py", tmp_path)
     for point in run["curve"]:
         probed = point["probe"]
         assert -1 < probed["sampled"] < 1 and 0 < probed["entropy"] <= 1 and 0 < probed["on_optimal"] < 1
         assert all(0 <= error["p_optimal"] < 1 for error in probed["errors"])
-    assert "seed 0: final" in done.stdout and "sampled" in done.stdout
+    assert "seed 0: final" in printed and "sampled" in printed
 
 
 @pytest.mark.slow

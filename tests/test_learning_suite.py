@@ -89,6 +89,17 @@ def load_benchmark(name: str = "learning_suite"):
         sys.path.pop(0)
 
 
+def quick_probe_run(script: str, output: Path) -> tuple[dict, str]:
+    """A probe benchmark's `--quick` run on one thread: its one run of results.json, and what it printed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, f"benchmarks/{script}", "--quick", "--threads", "1", "--output", str(output)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (run,) = json.loads((output / "results.json").read_text())["runs"]
+    assert len(run["curve"]) == 2  # before training and at the end
+    return run, done.stdout
+
+
 def test_overrides_are_parsed_validated_and_reported():
     learning_suite = load_benchmark()
     args = learning_suite.parse_args(["--quick", "--ppo", "learning_rate=1e-3", "whiten_advantages=False"])
