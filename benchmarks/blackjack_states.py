@@ -29,6 +29,7 @@ import sys
 import learning_suite  # beside this file
 
 from llamagym.envs import blackjack as bj
+from llamagym.envs.suite import normalised
 
 COSTLY, MOST = 0.5, 10  # `costly` lists states until they carry this share of the gap, or MOST of them
 TIE = 1e-9  # a gain this small is no push either way (e.g. hitting a hard 4 when every total after it sticks)
@@ -38,8 +39,7 @@ def figures(hit: dict[bj.State, float]) -> dict:
     """The sampled policy's figures (see the module docstring) from its P(hit) at every state."""
     best, optimal_gains = bj.optimal_policy(), bj.optimal_advantages()
     reach, gains = bj.visits(hit), bj.hit_gains(hit)
-    references = bj.reference_returns()
-    random, optimal = references["uniform random"], references["optimal"]
+    references = {name: figures["expected_return"] for name, figures in bj.reference_returns().items()}
     score = bj.exact_return(hit)["expected_return"]
     shares = {}
     for state in bj.STATES:
@@ -69,7 +69,7 @@ def figures(hit: dict[bj.State, float]) -> dict:
             }
         )
     return {
-        "sampled": (score - random["expected_return"]) / (optimal["expected_return"] - random["expected_return"]),
+        "sampled": normalised(score, references["uniform random"], references["optimal"]),
         "entropy": sum(reach[s] * entropy(hit[s]) for s in bj.STATES) / sum(reach.values()) / math.log(2),
         "gap": gap,
         "held": held / gap if gap > 0 else 0.0,

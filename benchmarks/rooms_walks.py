@@ -150,7 +150,8 @@ def figures(policy: Policy, num_rooms: int = 8, layout_seed: int = 0, max_steps:
 
 
 def sampled_table(agent) -> Policy:
-    """The latest weights' policy over the doors at every state, as training samples it (`sampled_probabilities`)."""
+    """The latest weights' policy over the doors at every state, as training samples it
+    (`learning_suite.sampled_probabilities`)."""
     layout = rooms.make_layout(agent.num_rooms, agent.layout_seed)
     keys = states(layout)  # each (room, goal) is also the observation
     found = learning_suite.sampled_probabilities(agent, keys)
