@@ -89,10 +89,11 @@ def load_benchmark(name: str = "learning_suite"):
         sys.path.pop(0)
 
 
-def quick_probe_run(script: str, output: Path) -> tuple[dict, str]:
-    """A probe benchmark's `--quick` run on one thread: its one run of results.json, and what it printed."""
+def quick_probe_run(script: str, output: Path, *flags: str) -> tuple[dict, str]:
+    """A probe benchmark's `--quick` run on one thread, with `flags` added: its one run of results.json, and what it
+    printed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, f"benchmarks/{script}", "--quick", "--threads", "1", "--output", str(output)]
+    cmd = [sys.executable, f"benchmarks/{script}", "--quick", "--threads", "1", "--output", str(output), *flags]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (run,) = json.loads((output / "results.json").read_text())["runs"]
