@@ -6,7 +6,8 @@ at every (room, goal) state (the agent is Markov: that pair is all it sees) and 
 the steps used:
 
 - `sampled`: the sampled policy's SPL, normalised as the greedy one is (0 = random, 1 = optimal);
-- `greedy`: the latest weights' greedy SPL, normalised (the suite's `latest_normalised`, computed from the table);
+- `greedy`: the latest weights' greedy SPL, normalised (the suite's `latest_normalised`, computed from the table; on a
+  bf16 CPU the two can part where doors tie in the table's bf16 reading, the suite's evaluation being in fp32);
 - `entropy`: the sampled policy's mean entropy over the states it meets, each as a fraction of ln(its doors);
 - `on_shortest`: the share of its choices, weighted by how often it meets each state, that are on a shortest path;
 - `errors`: the states where the greedy door is not on a shortest path, each with the door, its probability and
