@@ -39,7 +39,7 @@ def figures(hit: dict[bj.State, float]) -> dict:
     """The sampled policy's figures (see the module docstring) from its P(hit) at every state."""
     best, optimal_gains = bj.optimal_policy(), bj.optimal_advantages()
     reach, gains = bj.visits(hit), bj.hit_gains(hit)
-    references = {name: figures["expected_return"] for name, figures in bj.reference_returns().items()}
+    references = {name: entry["expected_return"] for name, entry in bj.reference_returns().items()}
     score = bj.exact_return(hit)["expected_return"]
     shares = {}
     for state in bj.STATES:
