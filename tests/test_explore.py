@@ -9,7 +9,6 @@ import torch
 from gymnasium import spaces
 
 from llamagym import Agent, PPOConfig
-from llamagym.agent.choosing import Actor
 from llamagym.algos.modes import MODES
 from llamagym.algos.modes.score import Scored, floored
 from llamagym.algos.rollout import Turn, collate
@@ -174,7 +173,6 @@ def scored_actor(probs: list[float], explore: float):
         score_cache_size=10,
         score_tokens=1024,
         explore=explore,
-        visit=lambda key: explore,  # `Actor.visit` without explore_visits
     )
     candidates = [[7], [8], [9]]
     key = MODES["score"].key([1, 2], candidates)
@@ -219,82 +217,3 @@ def test_scoring_agent_reports_its_drawn_share_and_greedy_scoring_never_explores
     assert all(turn.mode == "score" and turn.choice is not None for turn in turns)
     assert sampled == len(turns) and 0 < drawn < sampled  # the tiny model gives some of the 9 digits under 0.11
     assert stats["agent/explored_rate"] == drawn / sampled
-
-
-def counting_actor(explore: float, visits: float | None) -> Actor:
-    policy = SimpleNamespace(version=0, temperature=1.0, precision="fp32", sharded=False)
-    actor = Actor(policy, formatter=None, pad_token_id=0, eos_ids=set(), generation={})
-    actor.explore, actor.explore_visits = explore, visits
-    return actor
-
-
-def test_the_share_decays_with_each_inputs_own_visits_golden_values():
-    actor = counting_actor(0.5, 50.0)
-    shares = [actor.visit(("a",)) for _ in range(451)]
-    assert (shares[0], shares[50], shares[450]) == (0.5, 0.25, 0.05)  # 0.5 x 50 / (50 + n)
-    assert actor.visit(("b",)) == 0.5  # another input starts at the full share
-    assert actor.visits == {hash(("a",)): 451, hash(("b",)): 1}
-    plain = counting_actor(0.5, None)
-    assert [plain.visit(("a",)) for _ in range(3)] == [0.5] * 3 and plain.visits == {}  # nothing counted
-
-
-def test_a_settled_state_is_drawn_away_from_its_choice_less_as_its_visits_grow():
-    actor = counting_actor(0.9, 100.0)
-    fake, prompts, candidates = scored_actor([0.998, 0.001, 0.001], explore=0.9)
-    actor.memory(MODES["score"]).update(fake.memory(None))  # the same scored policy, in a real actor's memory
-    key = MODES["score"].key(prompts[0], candidates[0])
-    torch.manual_seed(0)
-    explored = [MODES["score"].choose(actor, prompts, candidates)[0].explored for _ in range(2000)]
-    assert actor.visits == {hash(key): 2000}
-
-    def expected(n: int) -> float:  # the two others' floored share at visit n: 2 least / (0.998 + 2 least)
-        least = 0.9 * 100 / (100 + n) / 3
-        return 2 * least / (0.998 + 2 * least)
-
-    for lo, hi in ((0, 200), (1800, 2000)):  # about 0.28 a draw, then about 0.027
-        mean = sum(expected(n) for n in range(lo, hi)) / (hi - lo)
-        assert abs(sum(explored[lo:hi]) / (hi - lo) - mean) < 0.05, (lo, mean)
-    assert sum(explored[:200]) > 5 * sum(explored[1800:])
-
-
-def test_scoring_agents_count_sampled_turns_only(tokenizer, lora_config):
-    agent = make_agent(
-        build_tiny_model(tokenizer, seed=0), tokenizer, lora_config, 0.5, action_mode="score", explore_visits=50
-    )
-    with agent.evaluating():
-        agent.act_batch([0, 0, 1])
-    assert agent.actor.visits == {}  # greedy acting is never explored, nor counted
-    agent.abort_episodes()
-    agent.act_batch([3] * 8)  # eight episodes' first turns at one input
-    assert list(agent.actor.visits.values()) == [8]
-    agent.act_batch([3] * 8)  # their second turns: an input per reply drawn before
-    assert sum(agent.actor.visits.values()) == agent._sampled == 16 and max(agent.actor.visits.values()) == 8
-
-
-def test_the_visit_counts_survive_a_checkpoint(tokenizer, lora_config, tmp_path):
-    agent = make_agent(
-        build_tiny_model(tokenizer, seed=0), tokenizer, lora_config, 0.5, action_mode="score", explore_visits=50
-    )
-    agent.act_batch([1, 1, 2])  # three episodes' first turns: two at one input, one at another
-    agent.save(tmp_path / "ckpt")
-    other = make_agent(
-        build_tiny_model(tokenizer, seed=0), tokenizer, lora_config, 0.5, action_mode="score", explore_visits=50
-    )
-    other.load(tmp_path / "ckpt")
-    assert sorted(other.actor.visits.values()) == [1, 2] and other.actor.visits == agent.actor.visits
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"explore": 0.5, "explore_visits": 0}, r"`explore_visits` should be a number > 0 or None"),
-        ({"explore": 0.5, "explore_visits": True}, r"`explore_visits` should be a number > 0 or None"),
-        ({"explore": 0.5, "explore_visits": float("inf")}, r"`explore_visits` should be a number > 0 or None"),
-        ({"explore": 0.0, "explore_visits": 50}, r"decays `explore`, which is 0: set explore > 0"),
-        ({"explore": 0.5, "explore_visits": 50, "action_mode": "generate"}, r"Use action_mode='score'"),
-    ],
-)
-def test_wrong_explore_visits_say_what_to_pass(model, tokenizer, lora_config, kwargs, message):
-    explore = kwargs.pop("explore")
-    with pytest.raises(ValueError, match=message):
-        make_agent(model, tokenizer, lora_config, explore, **kwargs)

@@ -98,11 +98,6 @@ class Agent(ABC):
             higher; docs/learning-that-holds.md, thirty-third session). Either way a drawn choice is played and
             trained on as the policy's own (PPO's old log-probs are the policy's), and `agent/explored_rate` counts
             the drawn share. Needs `action_candidates`.
-        explore_visits: scoring mode, an experiment: `explore` decays with each input's own sampled turns, to
-            explore x m / (m + n) at its n-th earlier visit (m this number; `Actor.visit`), so a state seen often is
-            sampled as the policy says while a rare one still draws its other candidates (Blackjack's hard 11 against
-            one dealer card is met about once in two updates). The counts are kept in checkpoints. None (the
-            default): `explore` at every visit.
         action_space: the env's action space, to reject parsed actions outside it.
         action_mode: "generate" (sample a reply and parse it), "score" (choose among `action_candidates`), "auto"
             (score when `action_candidates` returns a list, else generate), or the name of a mode added with
@@ -132,7 +127,6 @@ class Agent(ABC):
         fallback_action: Any = 0,
         format_penalty: float = 0.0,
         explore: float = 0.0,
-        explore_visits: float | None = None,
         action_space=None,
         action_mode: str = "auto",
         precision: str = "auto",
@@ -153,20 +147,6 @@ class Agent(ABC):
             raise ValueError(f"`format_penalty` should be a finite number >= 0. Received {format_penalty!r}.")
         if not isinstance(explore, (int, float)) or isinstance(explore, bool) or not 0 <= explore < 1:
             raise ValueError(f"`explore` should be a number in [0, 1). Received {explore!r}.")
-        if explore_visits is not None:
-            number = isinstance(explore_visits, (int, float)) and not isinstance(explore_visits, bool)
-            if not (number and math.isfinite(explore_visits) and explore_visits > 0):
-                raise ValueError(f"`explore_visits` should be a number > 0 or None. Received {explore_visits!r}.")
-            if not explore:
-                raise ValueError(
-                    f"`explore_visits`={explore_visits} decays `explore`, which is 0: set explore > 0 too (e.g. "
-                    f"explore=0.5), or leave explore_visits None."
-                )
-            if action_mode == "generate":
-                raise ValueError(
-                    "`explore_visits` counts the visits of scored inputs; generate mode replaces replies at the fixed "
-                    "rate `explore`. Use action_mode='score' (or 'auto' with action_candidates), or leave it None."
-                )
         distributed.init_from_env()  # under a launcher (WORLD_SIZE > 1): join its process group; else nothing
         self.ppo_config = ppo_config or PPOConfig()
         if action_mode == "generate" and (error := needs_scoring(self.ppo_config)):  # said before a batch is played
@@ -223,7 +203,6 @@ class Agent(ABC):
         self._drawn = self._sampled = 0  # since the last update: choices drawn by `explore`, choices sampled
         self.action_space = action_space
         self.actor = Actor(self.policy, self.formatter, self.pad_token_id, self.eos_ids, self.generation)
-        self.actor.explore_visits = None if explore_visits is None else float(explore_visits)
         self.action_mode = action_mode
         self.mode = None if action_mode == "auto" else MODES[action_mode]  # the `ActionMode` that chooses (None: auto)
         self.greedy = False
@@ -529,14 +508,13 @@ class Agent(ABC):
     def state_dict(self) -> dict:
         """What a resumed run needs besides the policy's weights (`Policy.save`) and the RNG states: the trainer's
         state (optimizer, KL controller, replay buffer, counters), the episode count, the running episodes and the
-        finished ones not yet trained on, what acting remembers of the current weights' outputs, and the inputs'
-        visit counts `explore_visits` decays with. Picklable; `save` writes it into the checkpoint."""
+        finished ones not yet trained on, and what acting remembers of the current weights' outputs. Picklable;
+        `save` writes it into the checkpoint."""
         return {
             "trainer": self.trainer.state_dict(),
             "episode_count": self.episode_count,
             "episodes": episodes_state(self.slots, self.batch),
             "acting_memory": self.actor.memory_state(),
-            "explore_visits": dict(self.actor.visits),
         }
 
     def load_state_dict(self, state: dict, restore_episodes: bool = True) -> None:
@@ -547,7 +525,6 @@ class Agent(ABC):
         self.episode_count = state["episode_count"]
         if "acting_memory" in state:  # absent in checkpoints written before it was kept
             self.actor.load_memory_state(state["acting_memory"])
-        self.actor.visits = dict(state.get("explore_visits", {}))  # absent in checkpoints written before it was kept
         if "episodes" in state:  # absent in checkpoints written before it existed
             slots, self.batch = load_episodes_state(state["episodes"])
             if restore_episodes:

@@ -48,8 +48,6 @@ class Actor:
         self.score_cache_size = 65536  # distinct scored inputs remembered between weight updates
         self.score_tokens = SCORE_TOKENS  # candidate tokens per scoring forward (each a vocabulary-wide row of logits)
         self.explore = 0.0  # scoring: each candidate's least share of samples, times their number (set by `decide`)
-        self.explore_visits: float | None = None  # scoring: `explore` decays with an input's own visits (see `visit`)
-        self.visits: dict[int, int] = {}  # with explore_visits: each input's sampled turns so far, by its key's hash
         self._memory: dict[str, dict] = {}
         self._memory_stamp: tuple | None = None
 
@@ -81,18 +79,6 @@ class Actor:
         if state and state["weights"] == checksum(self.policy.trainable_parameters()):
             self._memory = {name: dict(entries) for name, entries in state["memory"].items()}
             self._memory_stamp = self._stamp()
-
-    def visit(self, key: tuple) -> float:
-        """Count a sampled turn at the input `key` and return its exploration share: `explore`, or with
-        `explore_visits` = m set, explore x m / (m + n), n the input's sampled turns before this one (a state seen
-        often is sampled as the policy says, a rare one still draws its other candidates).
-
-        Example: explore 0.5, m 50: 0.5 at the first visit, 0.25 at the 51st, 0.05 at the 451st."""
-        if self.explore_visits is None or not self.explore:
-            return self.explore
-        n = self.visits.get(hash(key), 0)
-        self.visits[hash(key)] = n + 1
-        return self.explore * self.explore_visits / (self.explore_visits + n)
 
     def _stamp(self) -> tuple:
         return self.policy.version, self.policy.temperature, self.policy.precision

@@ -92,7 +92,7 @@ class ScoreMode(ActionMode):
         choices = []
         for cands, key in zip(candidates, keys, strict=True):
             probs = scores[key].logprobs.exp()
-            least = 0.0 if greedy else actor.visit(key) / len(probs)
+            least = 0.0 if greedy else actor.explore / len(probs)
             if greedy:
                 c = int(probs.argmax())
             elif least:
